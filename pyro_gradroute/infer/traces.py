@@ -1,0 +1,90 @@
+"""One model/guide trace pair per particle, with the guide's log-densities split once.
+
+This is :func:`pyro.infer.enum.get_importance_trace` (``"flat"`` graph) except that
+each guide sample site's log-density is computed by
+:func:`~pyro_gradroute.distributions.split_log_prob`, so the site carries
+``site["split"]`` (scaled and masked ``log_prob``, ``score``, ``pathwise``) in
+addition to Pyro's usual ``log_prob``, ``log_prob_sum`` and ``score_parts``. The
+guide's log-density is evaluated once per site; the model's with Pyro's own
+``compute_log_prob``.
+"""
+
+from __future__ import annotations
+
+import torch
+from pyro import poutine
+from pyro.distributions.score_parts import ScoreParts
+from pyro.infer.util import is_validation_enabled
+from pyro.poutine.util import prune_subsample_sites
+from pyro.util import check_model_guide_match, check_site_shape
+
+from ..distributions.split import split_log_prob
+
+
+def _check_finite(site, role: str) -> None:
+    lp = site["log_prob_sum"]
+    if torch.isnan(lp).any():
+        raise ValueError(
+            f"NaN log-density at {role} site '{site['name']}' "
+            f"(distribution {type(site['fn']).__name__}). Check the site's parameters "
+            "(e.g. a scale that is not positive) and its value; use constrained params "
+            "(pyro.param(..., constraint=...)) for parameters with a restricted domain."
+        )
+
+
+def compute_split_log_prob(trace: poutine.Trace) -> None:
+    """Fill ``split``, ``log_prob``, ``log_prob_sum`` and ``score_parts`` of every sample site.
+
+    ``score_parts`` follows Pyro's convention: reparameterized sites get
+    ``(log_prob, 0, log_prob)``, others ``(log_prob, score, 0)`` (the score-function
+    part is neither scaled nor masked, as in Pyro).
+    """
+    for site in trace.nodes.values():
+        if site["type"] != "sample" or "split" in site:
+            continue
+        try:
+            parts = split_log_prob(site["fn"], site["value"])
+        except ValueError as e:
+            raise ValueError(
+                f"Error while computing log_prob at site '{site['name']}':\n{e}\n"
+                f"{trace.format_shapes(last_site=site['name'])}"
+            ) from e
+        site["unscaled_log_prob"] = parts.log_prob
+        scaled = parts.scale_and_mask(site["scale"], site["mask"])
+        site["split"] = scaled
+        site["log_prob"] = scaled.log_prob
+        site["log_prob_sum"] = scaled.log_prob.sum()
+        if getattr(site["fn"], "has_rsample", False):
+            site["score_parts"] = ScoreParts(scaled.log_prob, 0, scaled.log_prob)
+        else:
+            site["score_parts"] = ScoreParts(scaled.log_prob, parts.score, 0)
+
+
+def get_split_importance_trace(max_plate_nesting, model, guide, args, kwargs):
+    """Run the guide once and the model once against it; split the guide's log-densities.
+
+    :returns: ``(model_trace, guide_trace)`` with log-probabilities computed.
+    """
+    unwrapped_guide = poutine.unwrap(guide)
+    if isinstance(unwrapped_guide, poutine.messenger.Messenger):
+        guide(*args, **kwargs)
+        model_trace, guide_trace = unwrapped_guide.get_traces()
+    else:
+        guide_trace = poutine.trace(guide).get_trace(*args, **kwargs)
+        model_trace = poutine.trace(poutine.replay(model, trace=guide_trace)).get_trace(
+            *args, **kwargs
+        )
+    validate = is_validation_enabled()
+    if validate:
+        check_model_guide_match(model_trace, guide_trace, max_plate_nesting)
+    guide_trace = prune_subsample_sites(guide_trace)
+    model_trace = prune_subsample_sites(model_trace)
+    model_trace.compute_log_prob()
+    compute_split_log_prob(guide_trace)
+    if validate:
+        for role, trace in (("model", model_trace), ("guide", guide_trace)):
+            for site in trace.nodes.values():
+                if site["type"] == "sample":
+                    check_site_shape(site, max_plate_nesting)
+                    _check_finite(site, role)
+    return model_trace, guide_trace

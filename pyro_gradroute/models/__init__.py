@@ -1,0 +1,1 @@
+"""Bundled models (with embedded or scikit-learn-bundled data) for examples, benchmarks and the CLI."""

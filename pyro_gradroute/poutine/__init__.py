@@ -1,0 +1,1 @@
+"""Effect handlers that mark sites for gradient routing."""
