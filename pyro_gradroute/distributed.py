@@ -1,0 +1,487 @@
+r"""Data-parallel SVI on ``torch.distributed``: gradient averaging, param broadcast, sharded plates.
+
+Each of :math:`R` ranks (processes, launched e.g. by ``torchrun``) runs the same SVI
+loop on its own shard of every minibatch. With a likelihood scaled by the *global*
+data size (``pyro.plate(name, N, subsample=idx)``, see :class:`ShardedPlate`), rank
+:math:`r`'s loss gradient :math:`g_r` is an unbiased estimate of the full-data
+gradient, and the average
+
+.. math::
+
+    \bar g = \frac{1}{R} \sum_{r=1}^{R} g_r
+
+is the gradient of the union of the shards (for equal shard sizes :math:`b`: the
+minibatch of size :math:`Rb`, scaled by :math:`N / (Rb)`). Three pieces:
+
+* :class:`DistributedOptimizer` wraps any :mod:`pyro.optim` optimizer and replaces
+  every ``.grad`` by :math:`\bar g` before the wrapped optimizer steps (bucketed
+  ``all_reduce``: a few collectives per step, not one per parameter);
+* :func:`broadcast_param_store` copies rank ``src``'s parameters to every rank, so all
+  ranks start identical (call it once, after the first trace created the params);
+* :class:`ShardedPlate` gives each rank its minibatch indices (through
+  :class:`torch.utils.data.DistributedSampler`) and the correctly scaled plate.
+
+Only ``.grad`` is touched, so every ELBO works: Pyro's, and this package's (including
+routed ``block_grad`` backward passes and ``TraceDReG_ELBO``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import pyro
+import pyro.optim
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "DistributedOptimizer",
+    "ParameterMismatchError",
+    "ShardedPlate",
+    "average_gradients",
+    "broadcast_param_store",
+]
+
+DEFAULT_BUCKET_CAP_MB = 25.0
+
+
+class ParameterMismatchError(RuntimeError):
+    """The ranks hold different parameters (names, shapes or dtypes); raised on every rank."""
+
+
+def _require_initialized(what: str) -> None:
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            f"{what} needs a torch.distributed process group, and none is initialized. "
+            "Call torch.distributed.init_process_group(backend, timeout=...) first "
+            "(under torchrun: init_process_group('gloo') on CPU or 'nccl' on GPUs; the "
+            "launcher sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT)."
+        )
+
+
+def _param_names(params: Iterable[torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    """``(name, param)`` sorted by param-store name (the same order on every rank)."""
+    store = pyro.get_param_store()
+    named = []
+    for p in params:
+        name = store.param_name(p)
+        if name is None:
+            raise ValueError(
+                "DistributedOptimizer / average_gradients got a tensor that is not in Pyro's "
+                f"param store (shape {tuple(p.shape)}). Only param-store parameters can be "
+                "matched across ranks: create it with pyro.param or pyro.module, or pass "
+                "names explicitly with average_gradients(named_params=...)."
+            )
+        named.append((name, p))
+    return sorted(named, key=lambda item: item[0])
+
+
+def _signature(named: list[tuple[str, torch.Tensor]]) -> int:
+    """A 62-bit digest of the names, shapes and dtypes (the same on all ranks iff they agree)."""
+    h = hashlib.blake2b(digest_size=8)
+    for name, p in named:
+        h.update(f"{name}|{tuple(p.shape)}|{p.dtype}\n".encode())
+    return int.from_bytes(h.digest(), "little") >> 2
+
+
+def _collective_device(group) -> torch.device:
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _check_same_params(named: list[tuple[str, torch.Tensor]], group, what: str) -> None:
+    """Raise on every rank, with the differing names, unless all ranks hold the same params."""
+    sig = _signature(named)
+    t = torch.tensor([sig, -sig], dtype=torch.int64, device=_collective_device(group))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    if int(t[0]) == -int(t[1]):
+        return
+    world = dist.get_world_size(group)
+    gathered: list[Any] = [None] * world
+    mine = [(name, tuple(p.shape), str(p.dtype)) for name, p in named]
+    dist.all_gather_object(gathered, mine, group=group)
+    union = set().union(*map(set, gathered))
+    lines = []
+    for r, entries in enumerate(gathered):
+        missing = sorted(union - set(entries))
+        if missing:
+            lines.append(f"  rank {r} lacks {missing}")
+    raise ParameterMismatchError(
+        f"{what}: the ranks do not hold the same parameters (name, shape, dtype), so their "
+        "gradients cannot be averaged:\n" + "\n".join(lines) + "\nEvery rank must create "
+        "the same parameters in the same shapes: avoid data-dependent pyro.param calls, and "
+        "give plates with local parameters the global size (see ShardedPlate)."
+    )
+
+
+def _buckets(
+    named: list[tuple[str, torch.Tensor]], cap_bytes: int
+) -> list[list[tuple[str, torch.Tensor]]]:
+    """Consecutive groups of at most ``cap_bytes`` (at least one param each), one dtype/device each."""
+    buckets: list[list[tuple[str, torch.Tensor]]] = []
+    size, key = 0, None
+    for name, p in named:
+        nbytes = p.numel() * p.element_size()
+        k = (p.dtype, p.device)
+        if not buckets or k != key or size + nbytes > cap_bytes:
+            buckets.append([])
+            size, key = 0, k
+        buckets[-1].append((name, p))
+        size += nbytes
+    return buckets
+
+
+def average_gradients(
+    params: Iterable[torch.Tensor],
+    *,
+    group=None,
+    bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+) -> float:
+    r"""Replace each parameter's ``.grad`` by its average over the ranks of ``group``.
+
+    .. math::
+
+        \text{grad}_p \leftarrow \frac{1}{R} \sum_{r=1}^{R} \text{grad}_{p,r},
+        \qquad \text{grad}_{p,r} := 0 \text{ where rank } r \text{ has no gradient}
+
+    A parameter whose gradient is ``None`` on *every* rank keeps ``None`` (so the
+    optimizer skips it, as in one process). The gradients are flattened, in
+    param-store-name order, into buckets of at most ``bucket_cap_mb`` megabytes and
+    each bucket is summed with one asynchronous ``all_reduce``; one small extra
+    collective checks that all ranks hold the same parameters (a ``RuntimeError``
+    naming the differing ones otherwise). With one rank nothing is communicated.
+
+    :param params: param-store parameters (unconstrained tensors, as SVI passes them).
+    :param group: process group (default: the world).
+    :param bucket_cap_mb: bucket size in megabytes.
+    :returns: seconds spent in collectives (for profiling).
+
+    Example (one process; a real run has several ranks)::
+
+        >>> import os, torch, pyro, torch.distributed as dist
+        >>> from pyro_gradroute.distributed import average_gradients
+        >>> dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29581",
+        ...                         rank=0, world_size=1)
+        >>> p = pyro.param("w", torch.ones(3)).unconstrained()
+        >>> (2 * p).sum().backward()
+        >>> _ = average_gradients([p])
+        >>> p.grad
+        tensor([2., 2., 2.])
+        >>> dist.destroy_process_group()
+    """
+    _require_initialized("average_gradients")
+    named = _param_names(params)
+    world = dist.get_world_size(group)
+    if world == 1:
+        return 0.0
+    for name, p in named:
+        if p.grad is not None and p.grad.is_sparse:
+            raise ValueError(f"average_gradients: sparse gradient of '{name}' is not supported.")
+    start = time.perf_counter()
+    _check_same_params(named, group, "average_gradients")
+    buckets = _buckets(named, max(1, int(bucket_cap_mb * 2**20)))
+    flats, works = [], []
+    for i, bucket in enumerate(buckets):
+        dtype, device = bucket[0][1].dtype, bucket[0][1].device
+        pieces = [
+            p.grad.detach().reshape(-1) if p.grad is not None else p.new_zeros(p.numel())
+            for _, p in bucket
+        ]
+        if i == 0:  # which params have a gradient on some rank: counts, exact in any float type
+            present = [float(p.grad is not None) for _, p in named]
+            pieces.append(torch.tensor(present, dtype=dtype, device=device))
+        flat = torch.cat(pieces)
+        flats.append(flat)
+        works.append(dist.all_reduce(flat, group=group, async_op=True))
+    for work in works:
+        work.wait()
+    elapsed = time.perf_counter() - start
+    present = flats[0][-len(named) :].tolist() if named else []
+    index = 0
+    for bucket, flat in zip(buckets, flats):
+        offset = 0
+        for _, p in bucket:
+            n = p.numel()
+            if present[index] > 0:
+                avg = flat[offset : offset + n].view_as(p).div_(world)
+                if p.grad is None:
+                    p.grad = avg.clone()
+                else:
+                    p.grad.copy_(avg)
+            offset += n
+            index += 1
+    return elapsed
+
+
+def _wrap_collective_error(what: str, e: Exception) -> RuntimeError:
+    return RuntimeError(
+        f"{what} failed on rank {dist.get_rank()}: a collective did not complete "
+        f"({type(e).__name__}: {e}). Usually another rank raised or was killed first (look "
+        "for its traceback) or the process group timed out; pass "
+        "init_process_group(..., timeout=datetime.timedelta(seconds=...)) to fail faster."
+    )
+
+
+class DistributedOptimizer(pyro.optim.PyroOptim):
+    r"""Average gradients across ``torch.distributed`` ranks, then step a Pyro optimizer.
+
+    The counterpart of :class:`pyro.optim.HorovodOptimizer` on ``torch.distributed``.
+    Each call (SVI calls it once per step with the parameters the trace touched)
+
+    1. sorts the parameters by param-store name, so all ranks agree on the order;
+    2. replaces every gradient by the rank average
+       :math:`\bar g = \frac1R \sum_r g_r` (:func:`average_gradients`: bucketed
+       ``all_reduce``; ``None`` counts as zero unless it is ``None`` on every rank;
+       a clear error if the ranks' parameters differ);
+    3. calls the wrapped optimizer, whose gradient clipping therefore acts on
+       :math:`\bar g`, identically on every rank.
+
+    Starting from identical parameters (:func:`broadcast_param_store`), the ranks stay
+    identical. Only ``.grad`` is read and written, so any ELBO works. The wrapped
+    optimizer keeps its own state: :meth:`get_state`, :meth:`set_state`, :meth:`save`,
+    :meth:`load`, and e.g. ``step()`` of a :class:`pyro.optim.PyroLRScheduler`, are
+    passed through.
+
+    :param pyro_optim: any :class:`pyro.optim.PyroOptim` (``Adam``, ``ClippedAdam``,
+        a ``PyroLRScheduler``, ...).
+    :param group: process group (default: the world).
+    :param bucket_cap_mb: size of the ``all_reduce`` buckets in megabytes.
+
+    Attributes ``comm_seconds`` (time spent in collectives) and ``num_steps`` accumulate
+    over calls, for profiling.
+
+    Example (one process here; under ``torchrun`` every rank runs the same code)::
+
+        >>> import torch, pyro, pyro.distributions as dist, torch.distributed as tdist
+        >>> from pyro.infer import SVI
+        >>> from pyro.infer.autoguide import AutoNormal
+        >>> from pyro_gradroute.infer import TraceSTL_ELBO
+        >>> from pyro_gradroute.distributed import DistributedOptimizer, broadcast_param_store
+        >>> tdist.init_process_group("gloo", init_method="tcp://127.0.0.1:29582",
+        ...                          rank=0, world_size=1)
+        >>> def model(x):
+        ...     mu = pyro.sample("mu", dist.Normal(0.0, 1.0))
+        ...     with pyro.plate("data", len(x)):
+        ...         pyro.sample("x", dist.Normal(mu, 1.0), obs=x)
+        >>> pyro.clear_param_store()
+        >>> guide = AutoNormal(model)
+        >>> optim = DistributedOptimizer(pyro.optim.Adam({"lr": 0.01}))
+        >>> svi = SVI(model, guide, optim, TraceSTL_ELBO())
+        >>> x = torch.randn(10)
+        >>> loss = svi.step(x)           # first step creates the params ...
+        >>> broadcast_param_store(src=0)  # ... then make all ranks identical
+        >>> loss = svi.step(x)
+        >>> tdist.destroy_process_group()
+    """
+
+    def __init__(
+        self,
+        pyro_optim: pyro.optim.PyroOptim,
+        *,
+        group=None,
+        bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+    ):
+        if not isinstance(pyro_optim, pyro.optim.PyroOptim):
+            raise TypeError(
+                f"DistributedOptimizer wraps a pyro.optim optimizer (e.g. pyro.optim.Adam"
+                f"({{'lr': 1e-3}})), got {type(pyro_optim).__name__}. For a torch.optim "
+                "optimizer, call average_gradients(params) before its step()."
+            )
+        if isinstance(pyro_optim, DistributedOptimizer):
+            raise TypeError("DistributedOptimizer is already distributed; do not wrap it twice.")
+        # No PyroOptim.__init__: the wrapped optimizer holds all optimizer state.
+        self.optim = pyro_optim
+        self.group = group
+        self.bucket_cap_mb = bucket_cap_mb
+        self.comm_seconds = 0.0
+        self.num_steps = 0
+
+    def __call__(self, params, *args, **kwargs) -> None:
+        params = [p for _, p in _param_names(params)]
+        try:
+            self.comm_seconds += average_gradients(
+                params, group=self.group, bucket_cap_mb=self.bucket_cap_mb
+            )
+        except ParameterMismatchError:
+            raise
+        except RuntimeError as e:
+            if not dist.is_initialized():
+                raise
+            raise _wrap_collective_error("DistributedOptimizer (gradient all_reduce)", e) from e
+        self.num_steps += 1
+        self.optim(params, *args, **kwargs)
+
+    def get_state(self) -> dict:
+        """The wrapped optimizer's state (identical on every rank)."""
+        return self.optim.get_state()
+
+    def set_state(self, state_dict: dict) -> None:
+        """Set the wrapped optimizer's state (load the same state on every rank)."""
+        self.optim.set_state(state_dict)
+
+    def __getattr__(self, name: str):
+        # Only called for attributes not found normally: pass through to the wrapped optimizer
+        # (optim_objs, pt_optim_args, step() of schedulers, ...).
+        if name == "optim":
+            raise AttributeError(name)
+        return getattr(self.optim, name)
+
+
+def broadcast_param_store(
+    src: int = 0, *, group=None, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB
+) -> None:
+    r"""Copy every parameter of Pyro's param store from rank ``src`` to all ranks, in place.
+
+    .. math::
+
+        \theta^{(r)} \leftarrow \theta^{(\text{src})} \quad \text{for every rank } r
+
+    (on the unconstrained tensors, so constraints are preserved). Call it on every rank
+    after the first model/guide trace created the parameters (e.g. after the first
+    ``svi.step``, or after ``guide(data)`` for an autoguide) and before the ranks'
+    parameters diverge; with :class:`DistributedOptimizer` they then stay identical.
+    The ranks must hold the same parameter names, shapes and dtypes (a ``RuntimeError``
+    lists the differences). Bucketed like :func:`average_gradients`. Optimizer state is
+    not broadcast: call it before the first optimizer step has built state, or load the
+    same state on every rank.
+
+    Example (one process; a real run has several ranks)::
+
+        >>> import torch, pyro, torch.distributed as dist
+        >>> from pyro_gradroute.distributed import broadcast_param_store
+        >>> dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29583",
+        ...                         rank=0, world_size=1)
+        >>> w = pyro.param("w", torch.randn(3))
+        >>> broadcast_param_store(src=0)
+        >>> dist.destroy_process_group()
+    """
+    _require_initialized("broadcast_param_store")
+    store = pyro.get_param_store()
+    named = sorted(((name, store._params[name]) for name in store.keys()), key=lambda item: item[0])
+    if dist.get_world_size(group) == 1:
+        return
+    try:
+        _check_same_params(named, group, "broadcast_param_store")
+        buckets = _buckets(named, max(1, int(bucket_cap_mb * 2**20)))
+        with torch.no_grad():
+            flats = [torch.cat([p.detach().reshape(-1) for _, p in b]) for b in buckets]
+            works = [dist.broadcast(f, src=src, group=group, async_op=True) for f in flats]
+            for work in works:
+                work.wait()
+            for bucket, flat in zip(buckets, flats):
+                offset = 0
+                for _, p in bucket:
+                    p.copy_(flat[offset : offset + p.numel()].view_as(p))
+                    offset += p.numel()
+    except ParameterMismatchError:
+        raise
+    except RuntimeError as e:
+        raise _wrap_collective_error("broadcast_param_store", e) from e
+
+
+class ShardedPlate:
+    r"""This rank's minibatch indices of a global data set, and the plate that scales them right.
+
+    Each epoch, :class:`torch.utils.data.DistributedSampler` deals the :math:`N` indices
+    to the :math:`R` ranks (each gets :math:`\lceil N/R \rceil`, padded by repeating
+    indices, or :math:`\lfloor N/R \rfloor` with ``drop_last=True``); iterating yields
+    this rank's minibatches of ``batch_size`` indices (the same count on every rank at
+    every step). The plate must carry the **global** size :math:`N`:
+
+    .. math::
+
+        \text{pyro.plate}(\text{name}, N, \text{subsample}=i_r)
+        \;\Rightarrow\; \text{scale} = \frac{N}{b}, \qquad
+        \frac1R \sum_{r=1}^{R} \frac{N}{b} \sum_{i \in i_r} \nabla \log p(x_i \mid \theta)
+        = \frac{N}{Rb} \sum_{i \in i_1 \cup \dots \cup i_R} \nabla \log p(x_i \mid \theta),
+
+    i.e. averaging the ranks' gradients (:class:`DistributedOptimizer`) gives exactly the
+    gradient of one process on the union of the shards. A plate of the shard's size
+    would scale the likelihood by :math:`R` too little relative to the prior.
+
+    :param name: the plate's name (as in the model).
+    :param size: global data size :math:`N`.
+    :param batch_size: per-rank minibatch size :math:`b` (the global batch is :math:`Rb`).
+    :param num_replicas: number of ranks (default: the world size, 1 without a process group).
+    :param rank: this rank (default: the process group's rank, 0 without one).
+    :param shuffle: reshuffle each epoch (seeded by ``seed + epoch``: same on all ranks).
+    :param seed: shuffling seed, identical on all ranks.
+    :param drop_last: drop the tail instead of padding it with repeated indices.
+    :param dim: the plate's ``dim``.
+
+    Example::
+
+        >>> import torch, pyro, pyro.distributions as dist
+        >>> from pyro_gradroute.distributed import ShardedPlate
+        >>> data = torch.randn(10)
+        >>> shard = ShardedPlate("data", size=10, batch_size=4, num_replicas=2, rank=1)
+        >>> def model(data, idx):
+        ...     mu = pyro.sample("mu", dist.Normal(0.0, 1.0))
+        ...     with shard.plate(idx):
+        ...         pyro.sample("x", dist.Normal(mu, 1.0), obs=data[idx])
+        >>> shard.set_epoch(0)
+        >>> [len(idx) for idx in shard]  # 5 indices for rank 1: batches of 4 and 1
+        [4, 1]
+        >>> tr = pyro.poutine.trace(model).get_trace(data, next(iter(shard)))
+        >>> tr.nodes["x"]["scale"]  # N / b = 10 / 4
+        2.5
+    """
+
+    def __init__(
+        self,
+        name: str,
+        size: int,
+        batch_size: int,
+        *,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+        dim: int | None = None,
+    ):
+        from torch.utils.data import DistributedSampler
+
+        initialized = dist.is_available() and dist.is_initialized()
+        if num_replicas is None:
+            num_replicas = dist.get_world_size() if initialized else 1
+        if rank is None:
+            rank = dist.get_rank() if initialized else 0
+        if batch_size < 1:
+            raise ValueError(f"ShardedPlate: batch_size must be >= 1, got {batch_size}.")
+        if drop_last and size < num_replicas:
+            raise ValueError(
+                f"ShardedPlate: {size} data points cannot be dealt to {num_replicas} ranks "
+                "with drop_last=True; use drop_last=False (pads by repeating) or fewer ranks."
+            )
+        self.name, self.size, self.batch_size, self.dim = name, size, batch_size, dim
+        self.num_replicas, self.rank = num_replicas, rank
+        self.sampler = DistributedSampler(
+            range(size),
+            num_replicas=num_replicas,
+            rank=rank,
+            shuffle=shuffle,
+            seed=seed,
+            drop_last=drop_last,
+        )
+
+    def set_epoch(self, epoch: int) -> None:
+        """Reshuffle for ``epoch`` (call it on every rank with the same value)."""
+        self.sampler.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        """Minibatches per epoch (the same on every rank)."""
+        return math.ceil(len(self.sampler) / self.batch_size)
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        indices = torch.tensor(list(self.sampler), dtype=torch.long)
+        yield from indices.split(self.batch_size)
+
+    def plate(self, idx: torch.Tensor) -> pyro.plate:
+        """``pyro.plate(name, size=N, subsample=idx, dim=dim)``: likelihood scale ``N / len(idx)``."""
+        return pyro.plate(self.name, self.size, subsample=idx, dim=self.dim)
