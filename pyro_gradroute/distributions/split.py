@@ -20,7 +20,9 @@ copy ``v`` of ``value``, and builds all three tensors from that one graph:
   same graph and sent to ``value`` (gradients reach ``value`` only);
 * ``log_prob = score + pathwise - stop(pathwise)``: the ordinary log-density.
 
-All three have the same value. Their first derivatives equal those of the naive
+All three have the same value and share one graph (so, as with any shared graph,
+pass ``retain_graph=True`` to all but the last of several separate backward calls
+through them). Their first derivatives equal those of the naive
 two-evaluation computation; second derivatives of ``pathwise`` treat
 ``d log fn / dv`` as a constant (the cross term ``d^2 log fn / dv dphi`` is
 not carried), which is what every first-order estimator needs.

@@ -45,21 +45,21 @@ class RoutedELBO(ELBO):
     ``_particle_terms(model_trace, guide_trace) -> (elbo: float, terms: dict)``
     returns one particle's ELBO estimate and its named surrogate-ELBO terms
     (to be *maximized*). With vectorized particles the trace pair holds all
-    particles and the terms are already averaged over them.
+    particles, summed; the base class divides by ``num_particles`` in both cases.
     """
 
     def _get_trace(self, model, guide, args, kwargs):
         return get_split_importance_trace(self.max_plate_nesting, model, guide, args, kwargs)
 
-    def _num_trace_particles(self) -> int:
-        return 1 if self.vectorize_particles else self.num_particles
-
     def _particle_terms(self, model_trace, guide_trace) -> tuple[float, Terms]:
         raise NotImplementedError
 
     def _iter_particles(self, model, guide, args, kwargs):
-        """Yield ``(elbo, terms, blocks)`` per trace, divided by the number of traces."""
-        n = self._num_trace_particles()
+        """Yield ``(elbo, terms, blocks)`` per trace, divided by ``num_particles``.
+
+        (A vectorized trace holds all particles, summed: it is divided likewise.)
+        """
+        n = self.num_particles
         for model_trace, guide_trace in self._get_traces(model, guide, args, kwargs):
             elbo, terms = self._particle_terms(model_trace, guide_trace)
             if n > 1:

@@ -79,12 +79,17 @@ def get_split_importance_trace(max_plate_nesting, model, guide, args, kwargs):
         check_model_guide_match(model_trace, guide_trace, max_plate_nesting)
     guide_trace = prune_subsample_sites(guide_trace)
     model_trace = prune_subsample_sites(model_trace)
+    compute_split_log_prob(guide_trace)  # the guide first: a NaN there is named as such
+    if validate:
+        for site in guide_trace.nodes.values():
+            if site["type"] == "sample":
+                _check_finite(site, "guide")
     model_trace.compute_log_prob()
-    compute_split_log_prob(guide_trace)
     if validate:
         for role, trace in (("model", model_trace), ("guide", guide_trace)):
             for site in trace.nodes.values():
                 if site["type"] == "sample":
                     check_site_shape(site, max_plate_nesting)
-                    _check_finite(site, role)
+                    if role == "model":
+                        _check_finite(site, role)
     return model_trace, guide_trace

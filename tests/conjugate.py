@@ -1,0 +1,156 @@
+"""Conjugate models with closed-form posteriors and closed-form ELBOs, shared by the estimator tests.
+
+Gaussian model: ``z ~ N(0, S0)`` (``D`` dims), ``x_i | z ~ N(z, s^2 I)`` for ``i`` in a data
+plate. For a Gaussian guide ``q = N(m, S)``::
+
+    ELBO(m, S) = E_q[log N(z; 0, S0)] + sum_i E_q[log N(x_i; z, s^2 I)] + H(q)
+
+with ``E_q[log N(z; 0, S0)] = -1/2 (D log 2pi + logdet S0 + tr(S0^-1 S) + m' S0^-1 m)``,
+``E_q[log N(x; z, s^2 I)] = -1/2 (D log 2pi s^2 + (|x - m|^2 + tr S) / s^2)``,
+``H(q) = 1/2 logdet(2 pi e S)``. Differentiating it through the guide's parameters gives the
+exact ELBO gradient.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pyro
+import pyro.distributions as dist
+import torch
+from torch.distributions import transform_to
+
+# ---------------------------------------------------------------- Gaussian model
+
+
+class GaussianModel:
+    def __init__(self, D=2, n=5, prior_cov=None, obs_scale=1.0, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        self.D, self.n, self.s = D, n, obs_scale
+        self.S0 = prior_cov if prior_cov is not None else torch.eye(D)
+        self.x = torch.randn(n, D, generator=g) + 1.0
+
+    def model(self, x=None):
+        x = self.x if x is None else x
+        if self.D == 1:
+            z = pyro.sample("z", dist.Normal(0.0, self.S0[0, 0].sqrt()))
+            with pyro.plate("data", len(x)):
+                pyro.sample("x", dist.Normal(z, self.s), obs=x[:, 0])
+        else:
+            z = pyro.sample("z", dist.MultivariateNormal(torch.zeros(self.D), self.S0))
+            with pyro.plate("data", len(x)):
+                pyro.sample("x", dist.Normal(z, self.s).to_event(1), obs=x)
+
+    def posterior(self):
+        P = torch.linalg.inv(self.S0) + self.n / self.s**2 * torch.eye(self.D)
+        cov = torch.linalg.inv(P)
+        mean = cov @ (self.x.sum(0) / self.s**2)
+        return mean, cov
+
+    def elbo(self, m, S):
+        D, s = self.D, self.s
+        S0inv = torch.linalg.inv(self.S0)
+        prior = -0.5 * (
+            D * math.log(2 * math.pi) + torch.logdet(self.S0) + torch.trace(S0inv @ S) + m @ S0inv @ m
+        )
+        lik = -0.5 * (
+            self.n * D * math.log(2 * math.pi * s**2)
+            + (((self.x - m) ** 2).sum() + self.n * torch.trace(S)) / s**2
+        )
+        entropy = 0.5 * torch.logdet(2 * math.pi * math.e * S)
+        return prior + lik + entropy
+
+
+# ---------------------------------------------------------------- positive latent (log-normal)
+
+
+class LogNormalModel:
+    """``z ~ LogNormal(m0, s0)``, ``x_i ~ LogNormal(log z, s)``: ``log z`` is Normal a posteriori."""
+
+    def __init__(self, n=6, m0=0.5, s0=1.0, s=0.7, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        self.m0, self.s0, self.s = m0, s0, s
+        self.x = (torch.randn(n, generator=g) * s + 1.0).exp()
+
+    def model(self):
+        z = pyro.sample("z", dist.LogNormal(self.m0, self.s0))
+        with pyro.plate("data", len(self.x)):
+            pyro.sample("x", dist.LogNormal(z.log(), self.s), obs=self.x)
+
+    def posterior_log(self):
+        prec = 1 / self.s0**2 + len(self.x) / self.s**2
+        mean = (self.m0 / self.s0**2 + self.x.log().sum() / self.s**2) / prec
+        return mean, prec**-0.5
+
+
+# ---------------------------------------------------------------- mixed discrete / continuous
+
+
+class MixedModel:
+    """``b ~ Bernoulli(0.3)``, ``z ~ N(0, 1)``, ``x ~ N(z + b, 1)``; guide ``q(b) q(z)``."""
+
+    x = torch.tensor(1.7)
+
+    def model(self):
+        b = pyro.sample("b", dist.Bernoulli(0.3))
+        z = pyro.sample("z", dist.Normal(0.0, 1.0))
+        pyro.sample("x", dist.Normal(z + b, 1.0), obs=self.x)
+
+    def guide(self):
+        p = pyro.param("p", torch.tensor(0.6), constraint=dist.constraints.unit_interval)
+        m = pyro.param("m", torch.tensor(0.2))
+        s = pyro.param("s", torch.tensor(0.8), constraint=dist.constraints.positive)
+        pyro.sample("b", dist.Bernoulli(p))
+        pyro.sample("z", dist.Normal(m, s))
+
+    def exact_elbo(self):
+        p, m, s = pyro.param("p"), pyro.param("m"), pyro.param("s")
+        qb = torch.stack([1 - p, p])
+        log_pb = torch.tensor([0.7, 0.3]).log()
+        kl_b = (qb * (qb.log() - log_pb)).sum()
+        e_prior_z = -0.5 * (math.log(2 * math.pi) + m**2 + s**2)
+        h_z = 0.5 * torch.log(2 * math.pi * math.e * s**2)
+        bs = torch.tensor([0.0, 1.0])
+        e_lik = (qb * (-0.5 * (math.log(2 * math.pi) + (self.x - m - bs) ** 2 + s**2))).sum()
+        return e_prior_z + h_z + e_lik - kl_b
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def set_param(name, value):
+    """Set a param-store parameter to a *constrained* value in place."""
+    store = pyro.get_param_store()
+    unconstrained = transform_to(store._constraints[name]).inv(torch.as_tensor(value))
+    with torch.no_grad():
+        store._params[name].copy_(unconstrained)
+
+
+def leaves():
+    """``(name, unconstrained leaf)`` of every param-store parameter, in a fixed order."""
+    store = pyro.get_param_store()
+    return [(k, store._params[k]) for k in sorted(store.keys())]
+
+
+def flat_grad():
+    return torch.cat([p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel()) for _, p in leaves()])
+
+
+def gradient_draws(elbo, model, guide, num_draws, *args):
+    """``num_draws`` independent gradient estimates of the *negative* ELBO, stacked ``(num_draws, P)``."""
+    out = []
+    for _ in range(num_draws):
+        for _, p in leaves():
+            p.grad = None
+        elbo.loss_and_grads(model, guide, *args)
+        out.append(flat_grad())
+    for _, p in leaves():
+        p.grad = None
+    return torch.stack(out)
+
+
+def exact_gradient(neg_elbo_fn):
+    """Gradient of a closed-form negative ELBO with respect to the param-store leaves."""
+    ps = [p for _, p in leaves()]
+    gs = torch.autograd.grad(neg_elbo_fn(), ps, allow_unused=True)
+    return torch.cat([torch.zeros(p.numel()) if g is None else g.reshape(-1) for g, p in zip(gs, ps)])
