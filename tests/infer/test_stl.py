@@ -8,7 +8,7 @@ import torch
 from pyro.infer import SVI
 from pyro.infer import Trace_ELBO as PyroTrace_ELBO
 from pyro.infer import autoguide as ag
-from pyro.nn import PyroModule, PyroParam
+from pyro.nn import PyroModule
 from torch.distributions import constraints
 
 from pyro_gradroute.infer import Trace_ELBO, TraceSTL_ELBO
