@@ -1,0 +1,207 @@
+r"""Gradient statistics of an ELBO estimator at the current parameters.
+
+For an estimator :math:`\hat g` of :math:`\nabla_\theta \mathcal L` (the gradient of the loss
+with respect to each *unconstrained* parameter, what the optimizer sees), ``num_draws``
+independent evaluations :math:`\hat g_1..\hat g_D` give per element
+
+.. math::
+
+    \bar g = \frac1D \sum_d \hat g_d, \qquad
+    s^2 = \frac1{D-1} \sum_d (\hat g_d - \bar g)^2, \qquad
+    \mathrm{SNR} = |\bar g| / s,
+
+and per parameter (or group of parameters) the norm SNR
+:math:`\lVert \bar g \rVert_2 / \sqrt{\sum s^2}` (Rainforth et al. 2018 use the per-element
+ratio; the norm version has no 0/0 for elements that never move). An estimator that is exactly
+zero at every draw (STL at the exact posterior) has SNR NaN: it has no noise and no signal.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import pyro
+import pyro.poutine as poutine
+import torch
+
+
+@dataclass
+class ParamGradStats:
+    """Mean, variance (unbiased) and per-element SNR of one parameter's gradient."""
+
+    mean: torch.Tensor
+    variance: torch.Tensor
+
+    @property
+    def snr(self) -> torch.Tensor:
+        return self.mean.abs() / self.variance.sqrt()
+
+    @property
+    def norm_snr(self) -> float:
+        return _norm_snr([self])
+
+
+def _norm_snr(stats) -> float:
+    signal = math.sqrt(sum(float((s.mean**2).sum()) for s in stats))
+    noise = math.sqrt(sum(float(s.variance.sum()) for s in stats))
+    if noise == 0.0:
+        return math.nan if signal == 0.0 else math.inf
+    return signal / noise
+
+
+class GradientStats(dict):
+    """``{param name: ParamGradStats}`` plus the names of guide and model parameters.
+
+    :ivar guide_params: names of parameters read by the guide.
+    :ivar model_params: names of parameters read by the model only.
+    :ivar num_draws: number of gradient evaluations.
+    """
+
+    def __init__(self, stats, guide_params, model_params, num_draws: int):
+        super().__init__(stats)
+        self.guide_params = list(guide_params)
+        self.model_params = list(model_params)
+        self.num_draws = num_draws
+
+    def snr(self, names=None) -> float:
+        """Norm SNR over the parameters ``names`` (default: all)."""
+        names = list(self) if names is None else list(names)
+        return _norm_snr([self[n] for n in names]) if names else math.nan
+
+    def to_dataframe(self):
+        """A ``pandas.DataFrame``, one row per parameter: role, size, mean |g|, variance, SNR."""
+        import pandas as pd
+
+        rows = {
+            name: {
+                "role": "guide" if name in self.guide_params else "model",
+                "size": s.mean.numel(),
+                "mean_abs": float(s.mean.abs().mean()),
+                "variance": float(s.variance.mean()),
+                "snr": s.norm_snr,
+            }
+            for name, s in self.items()
+        }
+        return pd.DataFrame.from_dict(rows, orient="index")
+
+
+def _param_names(model, guide, args, kwargs) -> tuple[list[str], list[str]]:
+    """Names of the param-store parameters read by guide and model (creating missing ones)."""
+    guide_trace = poutine.trace(guide).get_trace(*args, **kwargs)
+    model_trace = poutine.trace(poutine.replay(model, trace=guide_trace)).get_trace(*args, **kwargs)
+    guide_names = [n for n, s in guide_trace.nodes.items() if s["type"] == "param"]
+    model_names = [
+        n for n, s in model_trace.nodes.items() if s["type"] == "param" and n not in guide_names
+    ]
+    return guide_names, model_names
+
+
+def gradient_stats(
+    model, guide, elbo, *args, num_draws: int = 100, seed: int | None = None, **kwargs
+) -> GradientStats:
+    r"""Mean, variance and SNR of ``elbo``'s gradient estimate at the current parameters.
+
+    Each draw calls ``elbo.loss_and_grads(model, guide, *args, **kwargs)`` -- the code path
+    :class:`pyro.infer.SVI` uses, so block_grad routes and estimator-specific surrogate losses
+    are honoured -- and reads the ``.grad`` of every param-store parameter the model or guide
+    reads. Parameter values are not changed; every parameter's ``.grad`` is restored to what it
+    was (the same tensor, or ``None``); torch's global random state is restored too (pass
+    ``seed`` for reproducible draws). Parameters that do not exist yet are created, as SVI's
+    first step would. See the module docs for the formulas.
+
+    :param elbo: any ELBO with ``loss_and_grads`` (Pyro's or this package's).
+    :param num_draws: number of independent gradient evaluations (at least 2).
+    :raises ValueError: if ``num_draws < 2``.
+
+    Example::
+
+        >>> import torch, pyro, pyro.distributions as dist
+        >>> from pyro.infer.autoguide import AutoNormal
+        >>> from pyro_gradroute.infer import Trace_ELBO
+        >>> from pyro_gradroute.diagnostics import gradient_stats
+        >>> def model(x):
+        ...     mu = pyro.sample("mu", dist.Normal(0.0, 1.0))
+        ...     with pyro.plate("data", len(x)):
+        ...         pyro.sample("x", dist.Normal(mu, 1.0), obs=x)
+        >>> x = torch.randn(10)
+        >>> stats = gradient_stats(model, AutoNormal(model), Trace_ELBO(), x, num_draws=20)
+        >>> sorted(stats)
+        ['AutoNormal.locs.mu', 'AutoNormal.scales.mu']
+        >>> stats["AutoNormal.locs.mu"].variance.shape
+        torch.Size([])
+    """
+    if num_draws < 2:
+        raise ValueError(f"num_draws must be at least 2 to estimate a variance, got {num_draws}")
+    store = pyro.get_param_store()
+    with torch.random.fork_rng(devices=[]):
+        if seed is not None:
+            torch.manual_seed(seed)
+        guide_names, model_names = _param_names(model, guide, args, kwargs)
+        params = {n: p for n, p in store.named_parameters() if n in guide_names + model_names}
+        saved = {n: p.grad for n, p in store.named_parameters()}
+        count = 0
+        mean = {n: torch.zeros_like(p, dtype=torch.float64) for n, p in params.items()}
+        m2 = {n: torch.zeros_like(p, dtype=torch.float64) for n, p in params.items()}
+        try:
+            for _ in range(num_draws):
+                for _, p in store.named_parameters():
+                    p.grad = None
+                elbo.loss_and_grads(model, guide, *args, **kwargs)
+                count += 1
+                for n, p in params.items():  # Welford's update
+                    g = torch.zeros_like(mean[n]) if p.grad is None else p.grad.double()
+                    delta = g - mean[n]
+                    mean[n] += delta / count
+                    m2[n] += delta * (g - mean[n])
+        finally:
+            for n, p in store.named_parameters():
+                p.grad = saved.get(n)
+    stats = {n: ParamGradStats(mean[n], m2[n] / (count - 1)) for n in params}
+    return GradientStats(
+        stats, [n for n in guide_names if n in params], [n for n in model_names if n in params],
+        num_draws,
+    )
+
+
+def compare_gradients(
+    model, guide, elbos: Mapping[str, object], *args, num_draws: int = 100,
+    seed: int | None = 0, **kwargs,
+):
+    r"""Gradient statistics of several ELBOs at the same parameters, side by side.
+
+    Every estimator gets the same ``seed`` (so the same random stream where they draw alike).
+
+    :returns: a ``pandas.DataFrame`` indexed by parameter name (plus ``"(guide)"``,
+        ``"(model)"`` and ``"(all)"`` rows with the norm SNR of those groups), with columns
+        ``(statistic, estimator)`` for statistic in ``mean_abs``, ``variance``, ``snr``:
+        ``df["snr"]`` is the SNR table.
+
+    Example::
+
+        >>> import torch, pyro, pyro.distributions as dist
+        >>> from pyro.infer.autoguide import AutoNormal
+        >>> from pyro_gradroute.infer import Trace_ELBO, TraceSTL_ELBO
+        >>> from pyro_gradroute.diagnostics import compare_gradients
+        >>> model = lambda: pyro.sample("z", dist.Normal(0.0, 1.0))
+        >>> df = compare_gradients(model, AutoNormal(model),
+        ...                        {"trace": Trace_ELBO(), "stl": TraceSTL_ELBO()}, num_draws=10)
+        >>> list(df["snr"].columns)
+        ['trace', 'stl']
+    """
+    import pandas as pd
+
+    columns = {}
+    for label, elbo in elbos.items():
+        st = gradient_stats(model, guide, elbo, *args, num_draws=num_draws, seed=seed, **kwargs)
+        df = st.to_dataframe()
+        for stat in ("mean_abs", "variance", "snr"):
+            col = df[stat].to_dict()
+            if stat == "snr":
+                col.update(
+                    {"(guide)": st.snr(st.guide_params), "(model)": st.snr(st.model_params),
+                     "(all)": st.snr()}
+                )
+            columns[(stat, label)] = col
+    return pd.DataFrame(columns)

@@ -1,0 +1,135 @@
+r"""``to_inference_data``: a fitted guide as an ArviZ ``InferenceData``.
+
+Groups (each with ``chain = 1`` and ``draw = num_samples``):
+
+* ``posterior``: the guide's draws :math:`z_s \sim q(z)` of every latent site of the model;
+* ``posterior_predictive``: :math:`\tilde x_s \sim p(x \mid z_s)` for every observed site
+  (the model run under :func:`pyro.poutine.uncondition` by :class:`pyro.infer.Predictive`);
+* ``log_likelihood``: :math:`\log p(x_i \mid z_s)` per draw and per observation ``i`` (per element
+  of the site's plates; event dimensions summed), so ``az.loo`` / ``az.waic`` work;
+* ``observed_data``: the observed values;
+* ``sample_stats``: ``log_importance_ratio`` :math:`= \log p(x, z_s) - \log q(z_s)` per draw
+  (the input of PSIS, :func:`~pyro_gradroute.diagnostics.psis_khat`). It lives in
+  ``sample_stats`` because, like ArviZ's ``lp``, it is one number per draw that describes the
+  draw rather than a model quantity.
+
+Dimensions inside a ``pyro.plate`` are named after the plate, with coordinates ``0..size-1``;
+others are named ``"{site}_dim_{k}"``. ``pyro.factor`` sites count in the log-ratio but are not
+observations, so they have no log-likelihood entry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import pyro.poutine as poutine
+import torch
+from pyro.distributions import Unit
+from pyro.infer import Predictive
+from pyro.poutine.util import prune_subsample_sites
+
+from ._arviz import from_dict
+from .draws import ImportanceDraws, importance_draws
+from .plates import plate_coords, site_dims
+
+
+def _numpy_draws(t: torch.Tensor):
+    return t.detach().cpu().double().numpy()[None]  # (chain=1, draw=S, ...)
+
+
+def latent_and_observed(trace) -> tuple[list[str], list[str]]:
+    """Names of the latent sample sites and of the observed (non-factor) sample sites."""
+    latent, observed = [], []
+    for name, site in prune_subsample_sites(trace).nodes.items():
+        if site["type"] != "sample":
+            continue
+        if not site["is_observed"]:
+            latent.append(name)
+        elif not isinstance(site["fn"], Unit):
+            observed.append(name)
+    return latent, observed
+
+
+def _posterior_predictive(model, draws: ImportanceDraws, latent, observed, args, kwargs):
+    samples = {name: draws.model_trace.nodes[name]["value"] for name in latent}
+    predictive = Predictive(
+        poutine.uncondition(model),
+        posterior_samples=samples,
+        num_samples=draws.num_samples,
+        return_sites=list(observed),
+        parallel=True,
+    )
+    out = predictive(*args, **kwargs)
+    base = draws.base_trace.nodes
+    return {k: draws.per_draw(out[k], base[k]["value"].shape) for k in observed}
+
+
+def to_inference_data(
+    model,
+    guide,
+    *args,
+    num_samples: int = 1000,
+    max_plate_nesting: int | None = None,
+    posterior_predictive: bool = True,
+    coords: Mapping[str, Sequence] | None = None,
+    dims: Mapping[str, Sequence[str]] | None = None,
+    **kwargs,
+) -> Any:
+    r"""Draw from a fitted ``guide`` and return an ``arviz.InferenceData`` (see module docs).
+
+    :param model: the Pyro model the guide was fitted to.
+    :param guide: the guide (any callable with the model's latent sites, e.g. an AutoGuide).
+    :param args: the model's positional arguments (the data it conditions on).
+    :param num_samples: number of guide draws :math:`S`.
+    :param max_plate_nesting: the model's plate depth (read from a trace when ``None``).
+    :param posterior_predictive: set ``False`` to skip the ``posterior_predictive`` group.
+    :param coords: coordinates that replace or add to the plate-derived ones,
+        e.g. ``{"school": names}``.
+    :param dims: dimension names per variable that replace the derived ones,
+        e.g. ``{"w": ["feature"]}`` (listed in value order, batch then event dimensions).
+    :param kwargs: the model's keyword arguments.
+
+    The model must be vectorizable over an outer plate (all batch dimensions declared with
+    ``pyro.plate``), as for ``Predictive(parallel=True)`` or ``vectorize_particles=True``.
+
+    Example::
+
+        >>> import torch, pyro, pyro.distributions as dist, arviz as az
+        >>> from pyro.infer.autoguide import AutoNormal
+        >>> from pyro_gradroute.diagnostics import to_inference_data
+        >>> def model(x):
+        ...     mu = pyro.sample("mu", dist.Normal(0.0, 1.0))
+        ...     with pyro.plate("data", len(x)):
+        ...         pyro.sample("x", dist.Normal(mu, 1.0), obs=x)
+        >>> x = torch.randn(20)
+        >>> guide = AutoNormal(model)
+        >>> idata = to_inference_data(model, guide, x, num_samples=200)
+        >>> idata.log_likelihood["x"].dims
+        ('chain', 'draw', 'data')
+        >>> loo = az.loo(idata)
+    """
+    draws = importance_draws(
+        model,
+        guide,
+        *args,
+        num_samples=num_samples,
+        max_plate_nesting=max_plate_nesting,
+        **kwargs,
+    )
+    base = draws.base_trace
+    latent, observed = latent_and_observed(base)
+    groups: dict[str, dict] = {
+        "posterior": {k: _numpy_draws(draws.site_draws(k)) for k in latent},
+        "log_likelihood": {k: _numpy_draws(draws.pointwise_log_prob(k)) for k in observed},
+        "observed_data": {k: base.nodes[k]["value"].detach().cpu().double().numpy() for k in observed},
+        "sample_stats": {"log_importance_ratio": _numpy_draws(draws.log_ratios)},
+    }
+    if posterior_predictive and observed:
+        pp = _posterior_predictive(model, draws, latent, observed, args, kwargs)
+        groups["posterior_predictive"] = {k: _numpy_draws(v) for k, v in pp.items()}
+    all_dims = {k: site_dims(base.nodes[k]) for k in latent + observed}
+    all_dims.update({k: list(v) for k, v in (dims or {}).items()})
+    all_coords: dict[str, Sequence] = dict(plate_coords(base))
+    all_coords.update(coords or {})
+    return from_dict(groups, coords=all_coords, dims=all_dims)
