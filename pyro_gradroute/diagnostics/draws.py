@@ -23,7 +23,7 @@ from .plates import trace_model
 
 @dataclass
 class ImportanceDraws:
-    """``S`` guide draws replayed through the model.
+    r"""``S`` guide draws replayed through the model.
 
     :ivar log_ratios: ``(S,)`` tensor of :math:`\log p(x, z_s) - \log q(z_s)`.
     :ivar model_trace: the model's trace, vectorized over the draws (leading dimension at

@@ -160,14 +160,21 @@ def gradient_stats(
                 p.grad = saved.get(n)
     stats = {n: ParamGradStats(mean[n], m2[n] / (count - 1)) for n in params}
     return GradientStats(
-        stats, [n for n in guide_names if n in params], [n for n in model_names if n in params],
+        stats,
+        [n for n in guide_names if n in params],
+        [n for n in model_names if n in params],
         num_draws,
     )
 
 
 def compare_gradients(
-    model, guide, elbos: Mapping[str, object], *args, num_draws: int = 100,
-    seed: int | None = 0, **kwargs,
+    model,
+    guide,
+    elbos: Mapping[str, object],
+    *args,
+    num_draws: int = 100,
+    seed: int | None = 0,
+    **kwargs,
 ):
     r"""Gradient statistics of several ELBOs at the same parameters, side by side.
 
@@ -200,8 +207,11 @@ def compare_gradients(
             col = df[stat].to_dict()
             if stat == "snr":
                 col.update(
-                    {"(guide)": st.snr(st.guide_params), "(model)": st.snr(st.model_params),
-                     "(all)": st.snr()}
+                    {
+                        "(guide)": st.snr(st.guide_params),
+                        "(model)": st.snr(st.model_params),
+                        "(all)": st.snr(),
+                    }
                 )
             columns[(stat, label)] = col
     return pd.DataFrame(columns)

@@ -122,7 +122,9 @@ def to_inference_data(
     groups: dict[str, dict] = {
         "posterior": {k: _numpy_draws(draws.site_draws(k)) for k in latent},
         "log_likelihood": {k: _numpy_draws(draws.pointwise_log_prob(k)) for k in observed},
-        "observed_data": {k: base.nodes[k]["value"].detach().cpu().double().numpy() for k in observed},
+        "observed_data": {
+            k: base.nodes[k]["value"].detach().cpu().double().numpy() for k in observed
+        },
         "sample_stats": {"log_importance_ratio": _numpy_draws(draws.log_ratios)},
     }
     if posterior_predictive and observed:
