@@ -18,7 +18,8 @@ copy ``v`` of ``value``, and builds all three tensors from that one graph:
 * ``pathwise = log fn(value; stop(phi))``: a node whose backward is the
   vector-Jacobian product ``grad_out * d log fn(v) / dv`` taken lazily through the
   same graph and sent to ``value`` (gradients reach ``value`` only);
-* ``log_prob = score + pathwise - stop(pathwise)``: the ordinary log-density.
+* ``log_prob``: the ordinary log-density, a node whose backward sends the upstream
+  gradient both ways (``score + pathwise - stop(pathwise)`` in one op).
 
 All three have the same value and share one graph (so, as with any shared graph,
 pass ``retain_graph=True`` to all but the last of several separate backward calls
@@ -77,12 +78,15 @@ class _Pathwise(torch.autograd.Function):
 
     ``lp`` (the one evaluated log-density, at the detached leaf ``v``) is passed as
     an input so that the outer backward never frees its graph before this node has
-    used it; no gradient is sent to ``lp`` itself.
+    used it. With ``through_score`` the node is the full ``log_prob``: it also passes
+    ``grad_out`` on to ``lp`` (whose graph sends it to the parameters); otherwise it
+    is the ``pathwise`` part and sends nothing to ``lp``.
     """
 
     @staticmethod
-    def forward(ctx, value, lp, graph):  # type: ignore[override]
+    def forward(ctx, value, lp, graph, through_score):  # type: ignore[override]
         ctx.lp, ctx.v = graph  # the tensors with their graph (forward sees detached inputs)
+        ctx.through_score = through_score
         return lp.detach().clone()
 
     @staticmethod
@@ -97,7 +101,7 @@ class _Pathwise(torch.autograd.Function):
         )
         if g is None:
             g = torch.zeros_like(ctx.v)
-        return g, None, None
+        return g, (grad_out if ctx.through_score else None), None, None
 
 
 def split_log_prob(fn: Distribution, value: torch.Tensor) -> SplitLogProb:
@@ -154,8 +158,8 @@ def split_log_prob(fn: Distribution, value: torch.Tensor) -> SplitLogProb:
         return SplitLogProb(score, score, score.detach())
     if not score.requires_grad:  # e.g. a Delta whose log-density is a constant
         return SplitLogProb(score, score, score)
-    pathwise = _Pathwise.apply(value, score, (score, v))
-    log_prob = score + (pathwise - pathwise.detach())
+    pathwise = _Pathwise.apply(value, score, (score, v), False)
+    log_prob = _Pathwise.apply(value, score, (score, v), True)
     return SplitLogProb(log_prob, score, pathwise)
 
 

@@ -1,0 +1,142 @@
+"""TraceSTL_ELBO vs Pyro's Trace_ELBO: time per SVI step, graph memory, gradient variance.
+
+Run: ``python benchmarks/bench_stl.py`` (add ``--quick`` for a short run).
+
+(a) a VAE on binarized 8x8 digits and (b) a hierarchical model with AutoNormal: per-step
+time and saved-for-backward memory of STL over Trace_ELBO, measured side by side
+(interleaved) in one process, one thread. Targets: <= 1.05 each.
+(c) gradient variance of both estimators on a conjugate Gaussian model at several
+distances from the exact posterior (mean shifted by ``t`` posterior sds, scale multiplied
+by ``exp(t/2)``): STL/Trace variance ratio, which goes to 0 at the posterior.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import pyro
+import pyro.distributions as dist
+import torch
+from _common import print_table, saved_tensor_bytes, time_interleaved
+from pyro.infer import SVI
+from pyro.infer import Trace_ELBO as PyroTrace_ELBO
+from pyro.infer.autoguide import AutoNormal
+from torch.distributions import constraints
+
+from pyro_gradroute.infer import TraceSTL_ELBO
+from pyro_gradroute.models.digits_vae import VAE, load_binarized_digits
+
+
+def _svi_steps(model, guide, args, elbos):
+    out = {}
+    for name, elbo in elbos.items():
+        svi = SVI(model, guide, pyro.optim.Adam({"lr": 1e-3}), elbo)
+        out[name] = (lambda svi=svi: svi.step(*args))
+    return out
+
+
+def bench_vae(rounds):
+    pyro.clear_param_store()
+    train, _ = load_binarized_digits()
+    vae = VAE()
+    batch = train[:256]
+    steps = _svi_steps(vae.model, vae.guide, (batch,), {"Trace_ELBO": PyroTrace_ELBO(), "TraceSTL_ELBO": TraceSTL_ELBO()})
+    t = time_interleaved(steps, rounds)
+    m = {k: saved_tensor_bytes(f) for k, f in steps.items()}
+    return t, m
+
+
+def hierarchical_model(y, sigma):
+    mu = pyro.sample("mu", dist.Normal(0.0, 5.0))
+    tau = pyro.sample("tau", dist.HalfCauchy(5.0))
+    with pyro.plate("groups", len(y)):
+        theta = pyro.sample("theta", dist.Normal(mu, tau))
+        pyro.sample("obs", dist.Normal(theta, sigma), obs=y)
+
+
+def bench_hierarchical(rounds, J=200):
+    pyro.clear_param_store()
+    g = torch.Generator().manual_seed(0)
+    y = 3 + 2 * torch.randn(J, generator=g)
+    sigma = 1 + torch.rand(J, generator=g)
+    guide = AutoNormal(hierarchical_model)
+    steps = _svi_steps(
+        hierarchical_model, guide, (y, sigma), {"Trace_ELBO": PyroTrace_ELBO(), "TraceSTL_ELBO": TraceSTL_ELBO()}
+    )
+    t = time_interleaved(steps, rounds)
+    m = {k: saved_tensor_bytes(f) for k, f in steps.items()}
+    return t, m
+
+
+def variance_vs_distance(distances, draws, D=10, n=20):
+    """Total gradient variance of STL and Trace_ELBO at guides ``t`` posterior-sds away."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(n, D, generator=g) + 1
+
+    def model():
+        z = pyro.sample("z", dist.Normal(torch.zeros(D), 1.0).to_event(1))
+        with pyro.plate("data", n):
+            pyro.sample("x", dist.Normal(z, 1.0).to_event(1), obs=x)
+
+    post_sd = (1.0 / (1 + n)) ** 0.5
+    post_mean = x.sum(0) / (1 + n)
+
+    def guide():
+        loc = pyro.param("loc", post_mean.clone())
+        scale = pyro.param("scale", torch.full((D,), post_sd), constraint=constraints.positive)
+        pyro.sample("z", dist.Normal(loc, scale).to_event(1))
+
+    rows = []
+    for t in distances:
+        pyro.clear_param_store()
+        guide()
+        store = pyro.get_param_store()
+        with torch.no_grad():
+            store._params["loc"].copy_(post_mean + t * post_sd)
+            store._params["scale"].copy_(math.log(post_sd) + t / 2)  # unconstrained = log
+        var = {}
+        for name, elbo in (("Trace_ELBO", PyroTrace_ELBO()), ("TraceSTL_ELBO", TraceSTL_ELBO())):
+            gs = []
+            for _ in range(draws):
+                for p in store._params.values():
+                    p.grad = None
+                elbo.loss_and_grads(model, guide)
+                gs.append(torch.cat([p.grad.reshape(-1) for p in store._params.values()]))
+            var[name] = torch.stack(gs).var(0).sum().item()
+        rows.append((t, f"{var['Trace_ELBO']:.3g}", f"{var['TraceSTL_ELBO']:.3g}", f"{var['TraceSTL_ELBO'] / var['Trace_ELBO']:.3g}"))
+    return rows
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer rounds (noisier)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    pyro.set_rng_seed(0)
+    rounds = 20 if args.quick else 200
+    rows = []
+    for name, fn in (("digits VAE (batch 256)", bench_vae), ("hierarchical, AutoNormal (J=200)", bench_hierarchical)):
+        t, m = fn(rounds)
+        rows.append(
+            (
+                name,
+                f"{1e3 * t['Trace_ELBO']:.2f}",
+                f"{1e3 * t['TraceSTL_ELBO']:.2f}",
+                f"{t['TraceSTL_ELBO'] / t['Trace_ELBO']:.3f}",
+                f"{m['TraceSTL_ELBO'] / m['Trace_ELBO']:.3f}",
+            )
+        )
+    print("TraceSTL_ELBO over Trace_ELBO (targets: time <= 1.05, memory <= 1.05)")
+    print_table(rows, ("model", "Trace ms/step", "STL ms/step", "time ratio", "memory ratio"))
+    print()
+    print("Gradient variance vs distance from the posterior (D=10 conjugate Gaussian)")
+    distances = [0.0, 0.1, 0.3, 1.0, 2.0, 3.0, 5.0]
+    print_table(
+        variance_vs_distance(distances, 50 if args.quick else 300),
+        ("distance (post. sds)", "Var Trace", "Var STL", "STL/Trace"),
+    )
+
+
+if __name__ == "__main__":
+    main()
