@@ -34,7 +34,7 @@ def add_term(terms: Terms, key: Hashable, value) -> None:
 
 def collect_blocks(model_trace, guide_trace) -> dict:
     """Term key -> parameters the term must not reach, from ``block_grad`` marks in the traces."""
-    from ..poutine.block_grad_messenger import collect_blocks as _collect
+    from ..poutine.collect import collect_blocks as _collect
 
     return _collect(model_trace, guide_trace)
 
@@ -74,15 +74,15 @@ class RoutedELBO(ELBO):
         return loss
 
     def differentiable_loss(self, model, guide, *args, **kwargs) -> torch.Tensor:
-        """Negative ELBO whose gradient is the estimator (unrouted: blocks raise)."""
+        """Negative ELBO whose gradient is the estimator.
+
+        ``block_grad`` routes are honoured by passing each blocked term through
+        :func:`pyro_gradroute.routing.gate` (exact; slower than :meth:`loss_and_grads`,
+        which SVI calls and which uses the routing engine's pruned passes).
+        """
         loss, surrogate = 0.0, 0.0
         for elbo, terms, blocks in self._iter_particles(model, guide, args, kwargs):
-            if blocks:
-                raise NotImplementedError(
-                    f"{type(self).__name__}.differentiable_loss cannot honour block_grad routes "
-                    "(a single tensor has a single gradient). Use loss_and_grads (what SVI "
-                    "calls) or pyro_gradroute.routing.grad on the terms."
-                )
+            terms = {k: routing.gate(v, blocks[k]) if k in blocks else v for k, v in terms.items()}
             loss = loss - elbo
             surrogate = surrogate - sum(terms.values(), torch.tensor(0.0))
         warn_if_nan(surrogate, "loss")

@@ -19,6 +19,7 @@ from pyro.poutine.util import prune_subsample_sites
 from pyro.util import check_model_guide_match, check_site_shape
 
 from ..distributions.split import split_log_prob
+from ..poutine.gated_distribution import unwrap_gates
 
 
 def _check_finite(site, role: str) -> None:
@@ -79,6 +80,8 @@ def get_split_importance_trace(max_plate_nesting, model, guide, args, kwargs):
         check_model_guide_match(model_trace, guide_trace, max_plate_nesting)
     guide_trace = prune_subsample_sites(guide_trace)
     model_trace = prune_subsample_sites(model_trace)
+    unwrap_gates(model_trace)  # block_grad routes go to the routing engine, not the gates
+    unwrap_gates(guide_trace)
     compute_split_log_prob(guide_trace)  # the guide first: a NaN there is named as such
     if validate:
         for site in guide_trace.nodes.values():

@@ -1,5 +1,135 @@
-"""block_grad handler (issue 3). Placeholder collector: no routes yet."""
+"""``block_grad``: keep the log-density terms of chosen sites from chosen parameters."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from types import TracebackType
+
+from pyro.poutine.messenger import Messenger
+
+from .gated_distribution import GatedDistribution
+from .resolve import BlockSpec, ModuleSpec, ParamSpec
 
 
-def collect_blocks(model_trace, guide_trace) -> dict:
-    return {}
+def _as_tuple(x, what: str) -> tuple:
+    if x is None:
+        return ()
+    if isinstance(x, str) or not isinstance(x, Iterable):
+        return (x,)
+    out = tuple(x)
+    if what == "sites" and not all(isinstance(s, str) for s in out):
+        raise TypeError(f"block_grad: sites must be site names (str), got {out!r}")
+    return out
+
+
+class BlockGradMessenger(Messenger):
+    r"""Block the named sites' log-density terms from the named parameters.
+
+    For every sample or ``pyro.factor`` site :math:`s` in ``sites`` (model or guide,
+    observed or latent) and every parameter :math:`\theta` selected by ``modules`` /
+    ``params``, the ELBO's gradient loses exactly the contribution of :math:`s`'s
+    terms (its log-density and, for non-reparameterized guide sites, its
+    score-function term) to :math:`\theta`:
+
+    .. math::
+
+        \hat\nabla_\theta = \nabla_\theta \mathcal{L}
+            - \nabla_\theta \big[\text{terms of } s\big]
+            \qquad (\theta \text{ blocked for } s)
+
+    Every other path is unchanged, including the contribution of :math:`s` to the
+    other parameters *through* :math:`\theta`'s module (e.g. an encoder upstream of a
+    blocked decoder still learns from :math:`s`). Handlers nest (their blocks add up).
+
+    The handler marks each matched message (``msg["infer"]["_block_grad"]``, read by
+    this package's ELBOs, which route with :func:`pyro_gradroute.routing.backward`) and
+    wraps its distribution in a :class:`GatedDistribution` so Pyro's own ELBOs are
+    exact too. Names are resolved against the param store when log-densities are
+    computed. A site in ``sites`` that never occurs raises ``ValueError`` when the
+    handler exits (naming it and listing the sites seen).
+
+    :param sites: site name(s) whose terms are blocked.
+    :param modules: ``pyro.module`` / ``PyroModule`` name(s) or ``nn.Module`` object(s).
+    :param params: param-store name(s), glob(s) (``fnmatch``), predicate(s)
+        ``name -> bool``, or leaf tensors.
+    """
+
+    def __init__(
+        self,
+        sites: str | Iterable[str],
+        modules: ModuleSpec | Iterable[ModuleSpec] | None = None,
+        params: ParamSpec | Iterable[ParamSpec] | None = None,
+    ) -> None:
+        super().__init__()
+        site_names = frozenset(_as_tuple(sites, "sites"))
+        mods, prms = _as_tuple(modules, "modules"), _as_tuple(params, "params")
+        if not site_names:
+            raise ValueError("block_grad: give at least one site name in sites=[...]")
+        if not (mods or prms):
+            raise ValueError(
+                f"block_grad(sites={sorted(site_names)}): nothing to block; pass modules=[...] "
+                "and/or params=[...]"
+            )
+        self.spec = BlockSpec(site_names, mods, prms)
+        self._seen: list[str] = []
+
+    def __enter__(self) -> BlockGradMessenger:
+        self._seen = []
+        return super().__enter__()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc_value: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        super().__exit__(exc_type, exc_value, traceback)
+        if exc_type is None:
+            missing = sorted(self.spec.sites.difference(self._seen))
+            if missing:
+                raise ValueError(
+                    f"block_grad: site(s) {missing} never occurred while the handler was "
+                    f"active. Sample/factor sites seen: {sorted(set(self._seen))}. "
+                    "Check the names, and that the handler wraps the model or guide "
+                    "(or the svi.step call) that contains them."
+                )
+
+    def _process_message(self, msg) -> None:
+        if msg["type"] != "sample":
+            return
+        self._seen.append(msg["name"])
+        if msg["name"] not in self.spec.sites:
+            return
+        infer = dict(msg["infer"] or {})  # copy: the user's infer dict may be shared
+        infer["_block_grad"] = [*infer.get("_block_grad", ()), self.spec]
+        msg["infer"] = infer
+        msg["fn"] = GatedDistribution.wrap(msg["fn"], self.spec)
+
+
+def block_grad(
+    fn: Callable | None = None,
+    sites: str | Iterable[str] = (),
+    modules: ModuleSpec | Iterable[ModuleSpec] | None = None,
+    params: ParamSpec | Iterable[ParamSpec] | None = None,
+):
+    """Handler form of :class:`BlockGradMessenger` (like ``pyro.poutine.scale``).
+
+    Example (an auxiliary label likelihood may shape the encoder, not the decoder)::
+
+        >>> import torch, pyro, pyro.distributions as dist
+        >>> from torch import nn
+        >>> from pyro_gradroute.poutine import block_grad
+        >>> dec = nn.Linear(1, 1)
+        >>> def model(x, y):
+        ...     pyro.module("decoder", dec)
+        ...     z = pyro.sample("z", dist.Normal(0.0, 1.0))
+        ...     pyro.sample("x", dist.Normal(dec(z.reshape(1, 1)).squeeze(), 1.0), obs=x)
+        ...     pyro.sample("y", dist.Normal(dec(z.reshape(1, 1)).squeeze(), 1.0), obs=y)
+        >>> routed = block_grad(model, sites=["y"], modules=["decoder"])
+        >>> with block_grad(sites="y", modules=[dec]):
+        ...     model(torch.tensor(0.0), torch.tensor(1.0))
+
+    :returns: the wrapped ``fn``, or the messenger (a context manager) if ``fn`` is None.
+    """
+    msngr = BlockGradMessenger(sites=sites, modules=modules, params=params)
+    return msngr if fn is None else msngr(fn)

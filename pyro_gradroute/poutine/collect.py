@@ -1,0 +1,24 @@
+"""Read ``block_grad`` marks from a model/guide trace pair: term key -> blocked leaves."""
+
+from __future__ import annotations
+
+import torch
+
+from .resolve import resolve
+
+
+def collect_blocks(model_trace, guide_trace) -> dict[tuple[str, str], dict[str, torch.Tensor]]:
+    """``{("model" | "guide", site): {param name: unconstrained leaf}}`` for every marked site.
+
+    The keys are the term keys of :class:`~pyro_gradroute.infer.RoutedELBO`; the values
+    are what :func:`pyro_gradroute.routing.backward` takes as a block entry.
+    """
+    blocks: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
+    for role, trace in (("model", model_trace), ("guide", guide_trace)):
+        for name, site in trace.nodes.items():
+            if site["type"] != "sample":
+                continue
+            specs = (site.get("infer") or {}).get("_block_grad")
+            if specs:
+                blocks[(role, name)] = resolve(specs)
+    return blocks

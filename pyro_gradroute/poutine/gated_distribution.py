@@ -1,0 +1,100 @@
+"""A distribution wrapper whose log-density's gradient skips blocked parameters.
+
+Used by :class:`~pyro_gradroute.poutine.block_grad_messenger.BlockGradMessenger` so
+that *any* ELBO that differentiates ``site["fn"].log_prob`` / ``score_parts`` (Pyro's
+``Trace_ELBO``, ``TraceMeanField_ELBO``, ``TraceGraph_ELBO``, ``RenyiELBO``) honours
+the routes exactly, through :func:`pyro_gradroute.routing.gate`. This package's own
+ELBOs unwrap it (:func:`unwrap_gates`) and use the faster routing engine instead.
+"""
+
+from __future__ import annotations
+
+import torch
+from pyro.distributions import TorchDistribution
+from pyro.distributions.score_parts import ScoreParts
+
+from .. import routing
+from .resolve import BlockSpec, resolve
+
+_EMPTY = torch.Size()
+
+
+class GatedDistribution(TorchDistribution):
+    r"""``base_dist`` with :math:`\nabla_\theta \log p = 0` for the blocked parameters :math:`\theta`.
+
+    Sampling, shapes, support and every other attribute are those of ``base_dist``;
+    ``log_prob`` and the three ``score_parts`` are passed through
+    :func:`~pyro_gradroute.routing.gate`. ``kl_divergence`` is deliberately not
+    registered, so ``TraceMeanField_ELBO`` uses its Monte Carlo fallback at a gated site
+    (an analytic KL mixes the model's and the guide's terms, which routes cannot split).
+
+    Example::
+
+        >>> import torch, pyro.distributions as dist
+        >>> from pyro_gradroute.poutine.resolve import BlockSpec
+        >>> loc = torch.tensor(0.0, requires_grad=True)
+        >>> spec = BlockSpec(frozenset({"x"}), (), (loc,))
+        >>> d = GatedDistribution(dist.Normal(loc, 1.0), [spec])
+        >>> d.log_prob(torch.tensor(1.0)).requires_grad
+        False
+    """
+
+    arg_constraints: dict = {}
+
+    def __init__(self, base_dist, specs):
+        self.base_dist = base_dist
+        self.specs = tuple(specs)
+        super().__init__(base_dist.batch_shape, base_dist.event_shape, validate_args=False)
+
+    @classmethod
+    def wrap(cls, fn, spec: BlockSpec) -> GatedDistribution:
+        """``fn`` gated by ``spec`` (merging with an existing gate: nested handlers compose)."""
+        if isinstance(fn, cls):
+            return cls(fn.base_dist, fn.specs + (spec,))
+        return cls(fn, (spec,))
+
+    def __getattr__(self, name):
+        if name == "base_dist":
+            raise AttributeError(name)
+        return getattr(self.base_dist, name)
+
+    has_rsample = property(lambda self: self.base_dist.has_rsample)  # type: ignore[assignment]
+    has_enumerate_support = property(lambda self: self.base_dist.has_enumerate_support)  # type: ignore[assignment]
+    support = property(lambda self: self.base_dist.support)  # type: ignore[assignment]
+    mean = property(lambda self: self.base_dist.mean)
+    variance = property(lambda self: self.base_dist.variance)
+
+    def _gate(self, t):
+        if not (torch.is_tensor(t) and t.requires_grad):
+            return t
+        return routing.gate(t, resolve(self.specs))
+
+    def sample(self, sample_shape=_EMPTY):
+        return self.base_dist.sample(sample_shape)
+
+    def rsample(self, sample_shape=_EMPTY):
+        return self.base_dist.rsample(sample_shape)
+
+    def log_prob(self, value, *args, **kwargs):
+        return self._gate(self.base_dist.log_prob(value, *args, **kwargs))
+
+    def score_parts(self, value, *args, **kwargs):
+        parts = self.base_dist.score_parts(value, *args, **kwargs)
+        return ScoreParts(*(self._gate(t) for t in parts))
+
+    def enumerate_support(self, expand=True):
+        return self.base_dist.enumerate_support(expand=expand)
+
+    def expand(self, batch_shape, _instance=None):
+        return GatedDistribution(self.base_dist.expand(batch_shape), self.specs)
+
+
+def unwrap_gates(trace) -> None:
+    """Replace every gated ``site["fn"]`` in ``trace`` by its base distribution (in place).
+
+    This package's ELBOs call it before computing log-densities: they read the routes
+    from ``site["infer"]["_block_grad"]`` and hand them to the routing engine.
+    """
+    for site in trace.nodes.values():
+        if site["type"] == "sample" and isinstance(site["fn"], GatedDistribution):
+            site["fn"] = site["fn"].base_dist
