@@ -41,10 +41,10 @@ class BlockGradMessenger(Messenger):
     other parameters *through* :math:`\theta`'s module (e.g. an encoder upstream of a
     blocked decoder still learns from :math:`s`). Handlers nest (their blocks add up).
 
-    The handler marks each matched message (``msg["infer"]["_block_grad"]``, read by
-    this package's ELBOs, which route with :func:`pyro_gradroute.routing.backward`) and
-    wraps its distribution in a :class:`GatedDistribution` so Pyro's own ELBOs are
-    exact too. Names are resolved against the param store when log-densities are
+    The handler wraps each matched site's distribution in a :class:`GatedDistribution`:
+    Pyro's own ELBOs differentiate through the gate (exact, slower); this package's
+    ELBOs unwrap it, read its specs (:func:`collect_blocks`) and route with
+    :func:`pyro_gradroute.routing.backward` (fast). Names are resolved against the param store when log-densities are
     computed. A site in ``sites`` that never occurs raises ``ValueError`` when the
     handler exits (naming it and listing the sites seen).
 
@@ -100,9 +100,8 @@ class BlockGradMessenger(Messenger):
         self._seen.append(msg["name"])
         if msg["name"] not in self.spec.sites:
             return
-        infer = dict(msg["infer"] or {})  # copy: the user's infer dict may be shared
-        infer["_block_grad"] = [*infer.get("_block_grad", ()), self.spec]
-        msg["infer"] = infer
+        # The gated fn is the mark (not msg["infer"]: replay copies a guide site's infer
+        # dict onto the model site, which would leak the route into the model's term).
         msg["fn"] = GatedDistribution.wrap(msg["fn"], self.spec)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from .gated_distribution import site_specs
 from .resolve import resolve
 
 
@@ -18,7 +19,7 @@ def collect_blocks(model_trace, guide_trace) -> dict[tuple[str, str], dict[str, 
         for name, site in trace.nodes.items():
             if site["type"] != "sample":
                 continue
-            specs = (site.get("infer") or {}).get("_block_grad")
+            specs = site_specs(site)
             if specs:
                 blocks[(role, name)] = resolve(specs)
     return blocks

@@ -17,6 +17,7 @@ from .. import routing
 from .resolve import BlockSpec, resolve
 
 _EMPTY = torch.Size()
+SPECS_KEY = "block_grad_specs"
 
 
 class GatedDistribution(TorchDistribution):
@@ -92,9 +93,17 @@ class GatedDistribution(TorchDistribution):
 def unwrap_gates(trace) -> None:
     """Replace every gated ``site["fn"]`` in ``trace`` by its base distribution (in place).
 
-    This package's ELBOs call it before computing log-densities: they read the routes
-    from ``site["infer"]["_block_grad"]`` and hand them to the routing engine.
+    This package's ELBOs call it before computing log-densities; the specs are kept in
+    ``site["block_grad_specs"]`` (read by :func:`site_specs`) for the routing engine.
     """
     for site in trace.nodes.values():
         if site["type"] == "sample" and isinstance(site["fn"], GatedDistribution):
+            site[SPECS_KEY] = site["fn"].specs
             site["fn"] = site["fn"].base_dist
+
+
+def site_specs(site) -> tuple[BlockSpec, ...]:
+    """The ``block_grad`` specs of a trace site (gated, or unwrapped by :func:`unwrap_gates`)."""
+    if isinstance(site["fn"], GatedDistribution):
+        return site["fn"].specs
+    return site.get(SPECS_KEY, ())
