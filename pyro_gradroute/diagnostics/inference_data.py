@@ -4,7 +4,7 @@ Groups (each with ``chain = 1`` and ``draw = num_samples``):
 
 * ``posterior``: the guide's draws :math:`z_s \sim q(z)` of every latent site of the model;
 * ``posterior_predictive``: :math:`\tilde x_s \sim p(x \mid z_s)` for every observed site
-  (the model run under :func:`pyro.poutine.uncondition` by :class:`pyro.infer.Predictive`);
+  (the model run with its data sites unconditioned by :class:`pyro.infer.Predictive`);
 * ``log_likelihood``: :math:`\log p(x_i \mid z_s)` per draw and per observation ``i`` (per element
   of the site's plates; event dimensions summed), so ``az.loo`` / ``az.waic`` work;
 * ``observed_data``: the observed values;
@@ -23,10 +23,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import pyro.poutine as poutine
 import torch
 from pyro.distributions import Unit
 from pyro.infer import Predictive
+from pyro.poutine.uncondition_messenger import UnconditionMessenger
 from pyro.poutine.util import prune_subsample_sites
 
 from ._arviz import from_dict
@@ -39,22 +39,33 @@ def _numpy_draws(t: torch.Tensor):
 
 
 def latent_and_observed(trace) -> tuple[list[str], list[str]]:
-    """Names of the latent sample sites and of the observed (non-factor) sample sites."""
+    """Names of the latent sample sites (and ``pyro.deterministic`` sites) and of the observed
+    sample sites that are data (not ``pyro.factor``)."""
     latent, observed = [], []
     for name, site in prune_subsample_sites(trace).nodes.items():
         if site["type"] != "sample":
             continue
-        if not site["is_observed"]:
+        if not site["is_observed"] or site["infer"].get("_deterministic"):
             latent.append(name)
         elif not isinstance(site["fn"], Unit):
             observed.append(name)
     return latent, observed
 
 
+class _UnconditionData(UnconditionMessenger):
+    """``poutine.uncondition`` that leaves ``pyro.deterministic`` sites alone (unconditioning
+    their Delta makes Pyro 1.9 draw wrongly shaped values)."""
+
+    def _pyro_sample(self, msg) -> None:
+        if not msg["infer"].get("_deterministic"):
+            super()._pyro_sample(msg)
+
+
 def _posterior_predictive(model, draws: ImportanceDraws, latent, observed, args, kwargs):
-    samples = {name: draws.model_trace.nodes[name]["value"] for name in latent}
+    nodes = draws.model_trace.nodes
+    samples = {k: nodes[k]["value"] for k in latent if not nodes[k]["infer"].get("_deterministic")}
     predictive = Predictive(
-        poutine.uncondition(model),
+        _UnconditionData()(model),
         posterior_samples=samples,
         num_samples=draws.num_samples,
         return_sites=list(observed),

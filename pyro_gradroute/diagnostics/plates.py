@@ -34,6 +34,8 @@ def site_dims(site) -> list[str]:
     frames = {f.dim: f.name for f in site["cond_indep_stack"] if f.vectorized}
     shape = site["value"].shape
     batch_ndim = len(shape) - len(site["fn"].event_shape)
+    if site["infer"].get("_deterministic"):  # pyro.deterministic makes every dim an event dim
+        batch_ndim = len(shape)
     names, k = [], 0
     for i in range(len(shape)):
         dim = i - batch_ndim

@@ -1,0 +1,198 @@
+"""Named problems for ``pyro-gradroute compare``: bundled models and ``module:function`` ones.
+
+A *problem* is a model, a fresh guide and the data, as a :class:`Problem` or a plain dict with
+the same keys. A user's own problem is a zero-argument function returning one, named on the
+command line as ``module:function`` (``module`` importable, e.g. a file ``my_model.py`` in the
+current directory is ``my_model:problem``). The function is called once per estimator, after
+seeding, so that it builds the same fresh guide (and networks) every time.
+
+Example::
+
+    >>> from pyro_gradroute.models.registry import load_problem, MODELS
+    >>> sorted(MODELS)[:3]
+    ['digits_vae', 'eight_schools', 'logistic_regression']
+    >>> problem = load_problem("eight_schools")
+    >>> problem.heldout_args is None
+    True
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+
+@dataclass
+class Problem:
+    """What ``compare`` needs about a model.
+
+    :ivar model: the Pyro model.
+    :ivar guide: a fresh guide for it (built inside the problem function).
+    :ivar args: the model's positional arguments for training (tuple).
+    :ivar kwargs: its keyword arguments.
+    :ivar heldout_args: the model's arguments for held-out data, or ``None``.
+    :ivar heldout: how held-out log-likelihood is computed: ``"predictive"`` (global latents:
+        :math:`\\frac1n \\sum_i \\log \\frac1S \\sum_s p(\\tilde x_i \\mid z_s)`, :math:`z_s \\sim q`)
+        or ``"marginal"`` (local latents, amortized guide: importance-weighted
+        :math:`\\frac1n \\log p(\\tilde x)` with the guide as proposal).
+    :ivar diag_args: arguments for the PSIS k-hat and ArviZ draws (default ``args``), e.g.
+        a few data points of a VAE.
+    :ivar coords, dims: ArviZ coordinates and dimension names (see ``to_inference_data``).
+    :ivar var_names: latent sites to show in the forest plot (default: all).
+    :ivar steps, lr, num_particles: defaults for ``compare``.
+    :ivar description: one line for ``pyro-gradroute list``.
+    """
+
+    model: Callable
+    guide: Callable
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+    heldout_args: tuple | None = None
+    heldout: str = "predictive"
+    diag_args: tuple | None = None
+    coords: dict = field(default_factory=dict)
+    dims: dict = field(default_factory=dict)
+    var_names: Sequence[str] | None = None
+    steps: int = 500
+    lr: float = 0.02
+    num_particles: int = 8
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        if not callable(self.model) or not callable(self.guide):
+            raise TypeError("Problem: 'model' and 'guide' must be callables")
+        self.args = tuple(self.args)
+        if self.heldout_args is not None:
+            self.heldout_args = tuple(self.heldout_args)
+        if self.heldout not in ("predictive", "marginal"):
+            raise ValueError(
+                f"Problem: heldout must be 'predictive' or 'marginal', got {self.heldout!r}"
+            )
+
+
+#: bundled problems: name -> ("module:function", description)
+MODELS: dict[str, tuple[str, str]] = {
+    "logistic_regression": (
+        "pyro_gradroute.models.logistic_regression:problem",
+        "Bayesian logistic regression, breast-cancer data (30 features), 20% held out",
+    ),
+    "eight_schools": (
+        "pyro_gradroute.models.eight_schools:problem",
+        "Eight schools, non-centred hierarchical model (10 latents)",
+    ),
+    "digits_vae": (
+        "pyro_gradroute.models.registry:digits_vae_problem",
+        "VAE on binarized 8x8 digits (scikit-learn), 20% held out",
+    ),
+    "score_pathwise": (
+        "pyro_gradroute.models.score_pathwise:problem",
+        "seed 1: Gaussian means, guide family contains the posterior (STL's best case)",
+    ),
+    "swap_family": (
+        "pyro_gradroute.models.swap_family:problem",
+        "seed 2: a Gamma factor fitted to a Normal(5, 5) target",
+    ),
+    "nested_networks": (
+        "pyro_gradroute.models.nested_networks:problem",
+        "seed 3: y = B(A(x)), auxiliary loss blocked from B with block_grad",
+    ),
+}
+
+
+def _available() -> str:
+    return ", ".join(sorted(MODELS))
+
+
+def _import_function(path: str) -> Callable:
+    module_name, _, func_name = path.partition(":")
+    if not module_name or not func_name:
+        raise ValueError(
+            f"Model path {path!r} must look like 'module:function' (e.g. my_model:problem). "
+            f"Bundled models: {_available()}"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(
+            f"Cannot import module {module_name!r} of model path {path!r}: {e}. Check that it "
+            f"is on the Python path (run from its folder). Bundled models: {_available()}"
+        ) from e
+    func = getattr(module, func_name, None)
+    if not callable(func):
+        found = sorted(
+            n
+            for n, f in vars(module).items()
+            if inspect.isfunction(f) and f.__module__ == module.__name__ and not n.startswith("_")
+        )
+        raise ValueError(
+            f"Module {module_name!r} has no function {func_name!r}; its functions are: "
+            f"{', '.join(found) or '(none)'}"
+        )
+    return func
+
+
+def as_problem(obj: Any, where: str = "problem") -> Problem:
+    """A :class:`Problem` from a ``Problem`` or a dict with its keys (``model``, ``guide``,
+    ``args`` and optionally the others); a clear error for anything else."""
+    if isinstance(obj, Problem):
+        return obj
+    if not isinstance(obj, Mapping):
+        raise TypeError(
+            f"{where} must return a dict with keys 'model', 'guide', 'args' (optional: "
+            f"{', '.join(f.name for f in fields(Problem)[3:])}) or a "
+            f"pyro_gradroute.models.registry.Problem; got {type(obj).__name__}"
+        )
+    known = {f.name for f in fields(Problem)}
+    unknown = sorted(set(obj) - known)
+    missing = sorted({"model", "guide"} - set(obj))
+    if unknown or missing:
+        raise ValueError(
+            f"{where} returned a dict with "
+            + (f"unknown keys {unknown}" if unknown else "")
+            + (" and " if unknown and missing else "")
+            + (f"missing keys {missing}" if missing else "")
+            + f"; the keys are {sorted(known)}"
+        )
+    return Problem(**obj)
+
+
+def load_problem(name: str) -> Problem:
+    """Build the problem ``name``: a bundled name (see :data:`MODELS`) or ``module:function``.
+
+    :raises ValueError: for an unknown name, an unimportable module or a missing function,
+        listing what exists.
+    """
+    if name in MODELS:
+        path = MODELS[name][0]
+    elif ":" in name:
+        path = name
+    else:
+        raise ValueError(
+            f"Unknown model {name!r}. Bundled models: {_available()}; or name your own as "
+            "'module:function' (a function returning a dict with model, guide, args)."
+        )
+    return as_problem(_import_function(path)(), where=path)
+
+
+def digits_vae_problem() -> Problem:
+    """The bundled digits VAE (:mod:`pyro_gradroute.models.digits_vae`) as a problem."""
+    from .digits_vae import VAE, load_binarized_digits
+
+    train, test = load_binarized_digits()
+    vae = VAE()
+    return Problem(
+        model=vae.model,
+        guide=vae.guide,
+        args=(train,),
+        heldout_args=(test,),
+        heldout="marginal",
+        diag_args=(test[:4],),
+        var_names=["z"],
+        steps=300,
+        lr=3e-3,
+        num_particles=8,
+        description=MODELS["digits_vae"][1],
+    )
