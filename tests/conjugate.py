@@ -154,3 +154,38 @@ def exact_gradient(neg_elbo_fn):
     ps = [p for _, p in leaves()]
     gs = torch.autograd.grad(neg_elbo_fn(), ps, allow_unused=True)
     return torch.cat([torch.zeros(p.numel()) if g is None else g.reshape(-1) for g, p in zip(gs, ps)])
+
+
+# ---------------------------------------------------------------- a conditional (structured) guide
+
+
+class HierarchicalModel:
+    """``z1 ~ N(0,1)``, ``z2 ~ N(z1, 1)``, ``x ~ N(z2, 0.5)``; guide ``q(z1) q(z2 | z1)``, linear-Gaussian."""
+
+    x = torch.tensor(1.3)
+    sx = 0.5
+
+    def model(self):
+        z1 = pyro.sample("z1", dist.Normal(0.0, 1.0))
+        z2 = pyro.sample("z2", dist.Normal(z1, 1.0))
+        pyro.sample("x", dist.Normal(z2, self.sx), obs=self.x)
+
+    def guide(self):
+        a = pyro.param("a", torch.tensor(0.4))
+        s1 = pyro.param("s1", torch.tensor(0.9), constraint=dist.constraints.positive)
+        b = pyro.param("b", torch.tensor(-0.2))
+        c = pyro.param("c", torch.tensor(0.5))
+        s2 = pyro.param("s2", torch.tensor(0.7), constraint=dist.constraints.positive)
+        z1 = pyro.sample("z1", dist.Normal(a, s1))
+        pyro.sample("z2", dist.Normal(b + c * z1, s2))
+
+    def exact_elbo(self):
+        a, s1, b, c, s2 = (pyro.param(k) for k in ("a", "s1", "b", "c", "s2"))
+        m1, m2 = a, b + c * a
+        v11, v12, v22 = s1**2, c * s1**2, c**2 * s1**2 + s2**2
+        log2pi = math.log(2 * math.pi)
+        e1 = -0.5 * (log2pi + m1**2 + v11)
+        e2 = -0.5 * (log2pi + (m2 - m1) ** 2 + v11 + v22 - 2 * v12)
+        e3 = -0.5 * (log2pi + 2 * math.log(self.sx) + ((self.x - m2) ** 2 + v22) / self.sx**2)
+        h = 0.5 * torch.log(2 * math.pi * math.e * s1**2) + 0.5 * torch.log(2 * math.pi * math.e * s2**2)
+        return e1 + e2 + e3 + h

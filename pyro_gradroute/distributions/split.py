@@ -46,6 +46,7 @@ Families that need care (all handled, one evaluation each):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -74,37 +75,66 @@ class SplitLogProb(NamedTuple):
 
 
 class _Pathwise(torch.autograd.Function):
-    """Identity in value; backward sends ``grad_out * d lp / dv`` to ``value``.
+    """Identity in value; backward is the vector-Jacobian product of ``lp`` taken lazily.
 
     ``lp`` (the one evaluated log-density, at the detached leaf ``v``) is passed as
     an input so that the outer backward never frees its graph before this node has
-    used it. With ``through_score`` the node is the full ``log_prob``: it also passes
-    ``grad_out`` on to ``lp`` (whose graph sends it to the parameters); otherwise it
-    is the ``pathwise`` part and sends nothing to ``lp``.
+    used it. With ``through_score`` the node is the full ``log_prob``: it sends
+    ``grad_out * d lp / dv`` to ``value`` and ``grad_out`` on to ``lp`` (whose graph
+    reaches the parameters). Otherwise it is the ``pathwise`` part: it sends the
+    VJP to ``value`` and to the ``upstream`` tensors only, nothing to ``lp``.
     """
 
     @staticmethod
-    def forward(ctx, value, lp, graph, through_score):  # type: ignore[override]
-        ctx.lp, ctx.v = graph  # the tensors with their graph (forward sees detached inputs)
+    def forward(ctx, through_score, graph, value, lp, *upstream):  # type: ignore[override]
+        ctx.lp, ctx.v, ctx.up = graph  # the tensors with their graph (forward sees detached inputs)
         ctx.through_score = through_score
         return lp.detach().clone()
 
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
-        (g,) = torch.autograd.grad(
+        with_v = ctx.v.requires_grad
+        up = [] if ctx.through_score else list(ctx.up)
+        grads = torch.autograd.grad(
             ctx.lp,
-            ctx.v,
+            ([ctx.v] if with_v else []) + up,
             grad_out,
             retain_graph=True,
             create_graph=torch.is_grad_enabled(),
             allow_unused=True,
         )
-        if g is None:
-            g = torch.zeros_like(ctx.v)
-        return g, (grad_out if ctx.through_score else None), None, None
+        g_v = grads[0] if with_v else None
+        if with_v and g_v is None:
+            g_v = torch.zeros_like(ctx.v)
+        g_up = tuple(grads[1:] if with_v else grads)
+        if ctx.through_score:
+            return (None, None, g_v, grad_out) + (None,) * len(ctx.up)
+        return (None, None, g_v, None) + g_up
 
 
-def split_log_prob(fn: Distribution, value: torch.Tensor) -> SplitLogProb:
+def _reached(tensor: torch.Tensor, candidates: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The ``candidates`` whose autograd node lies on ``tensor``'s graph (searched up to them)."""
+    targets = {c.grad_fn: i for i, c in enumerate(candidates) if c.grad_fn is not None}
+    if not targets or tensor.grad_fn is None:
+        return []
+    hit: set[int] = set()
+    seen = set()
+    stack = [tensor.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node in targets:
+            hit.add(targets[node])
+            continue
+        stack.extend(f for f, _ in node.next_functions if f is not None and f not in seen)
+    return [candidates[i] for i in sorted(hit)]
+
+
+def split_log_prob(
+    fn: Distribution, value: torch.Tensor, upstream: Sequence[torch.Tensor] = ()
+) -> SplitLogProb:
     r"""Split ``fn.log_prob(value)`` into ordinary, score and pathwise parts, evaluating it once.
 
     .. math::
@@ -121,6 +151,16 @@ def split_log_prob(fn: Distribution, value: torch.Tensor) -> SplitLogProb:
     ``LowRankMultivariateNormal``, ``TransformedDistribution`` including flows
     whose transforms hold ``nn.Module`` parameters). ``value`` may broadcast
     against ``fn.batch_shape``.
+
+    ``upstream``: tensors that ``fn``'s parameters may have been computed from and
+    whose path the pathwise part must keep, typically the samples of earlier sites
+    of a conditional guide ``q(z_2 | z_1)``. Then
+    ``pathwise = log q(z_2 | z_1; stop(phi))`` sends gradients to ``z_2`` *and* to
+    ``z_1`` (only the direct dependence on ``phi`` is stopped), while ``score`` stays
+    ``log q(stop(z_2) | z_1; phi)`` (fn's whole graph, as Pyro's score-function terms
+    use it); the upstream path then appears in both, so with ``upstream`` the two no
+    longer add up to ``log_prob``'s gradient. Candidates that ``fn``'s graph does not
+    reach are ignored.
 
     Example::
 
@@ -139,9 +179,9 @@ def split_log_prob(fn: Distribution, value: torch.Tensor) -> SplitLogProb:
 
     :param fn: the distribution.
     :param value: the point at which to evaluate, typically ``fn.rsample()``.
+    :param upstream: optional tensors whose path into ``fn``'s parameters is kept
+        in ``pathwise``.
     :raises TypeError: if ``fn`` is not a distribution or ``value`` not a tensor.
-    :raises ValueError: if the log-density is NaN (names nothing: wrap with a
-        site name via the ELBOs, which do).
     """
     if not isinstance(fn, Distribution):
         raise TypeError(
@@ -154,12 +194,16 @@ def split_log_prob(fn: Distribution, value: torch.Tensor) -> SplitLogProb:
     if needs_path:
         v.requires_grad_(True)
     score = fn.log_prob(v)
-    if not needs_path:
-        return SplitLogProb(score, score, score.detach())
+    if not torch.is_grad_enabled():
+        return SplitLogProb(score, score, score)
+    up = _reached(score, list(upstream)) if upstream else []
     if not score.requires_grad:  # e.g. a Delta whose log-density is a constant
         return SplitLogProb(score, score, score)
-    pathwise = _Pathwise.apply(value, score, (score, v), False)
-    log_prob = _Pathwise.apply(value, score, (score, v), True)
+    if not needs_path and not up:
+        return SplitLogProb(score, score, score.detach())
+    graph = (score, v, up)
+    pathwise = _Pathwise.apply(False, graph, value, score, *up)
+    log_prob = _Pathwise.apply(True, graph, value, score, *up) if needs_path else score
     return SplitLogProb(log_prob, score, pathwise)
 
 

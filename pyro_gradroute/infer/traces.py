@@ -18,7 +18,7 @@ from pyro.infer.util import is_validation_enabled
 from pyro.poutine.util import prune_subsample_sites
 from pyro.util import check_model_guide_match, check_site_shape
 
-from ..distributions.split import split_log_prob
+from ..distributions.split import is_delta, split_log_prob
 from ..poutine.gated_distribution import unwrap_gates
 
 
@@ -36,20 +36,26 @@ def _check_finite(site, role: str) -> None:
 def compute_split_log_prob(trace: poutine.Trace) -> None:
     """Fill ``split``, ``log_prob``, ``log_prob_sum`` and ``score_parts`` of every sample site.
 
+    ``split.pathwise`` keeps the path through earlier reparameterized samples that the
+    site's distribution depends on (``log q(z_2 | z_1; stop(phi))`` for a conditional
+    guide), so pathwise-only estimators stay unbiased for structured guides.
     ``score_parts`` follows Pyro's convention: reparameterized sites get
     ``(log_prob, 0, log_prob)``, others ``(log_prob, score, 0)`` (the score-function
     part is neither scaled nor masked, as in Pyro).
     """
+    random_values = []  # earlier reparameterized, non-Delta samples: a later site's upstream
     for site in trace.nodes.values():
         if site["type"] != "sample" or "split" in site:
             continue
         try:
-            parts = split_log_prob(site["fn"], site["value"])
+            parts = split_log_prob(site["fn"], site["value"], upstream=random_values)
         except ValueError as e:
             raise ValueError(
                 f"Error while computing log_prob at site '{site['name']}':\n{e}\n"
                 f"{trace.format_shapes(last_site=site['name'])}"
             ) from e
+        if site["value"].requires_grad and not is_delta(site["fn"]):
+            random_values.append(site["value"])
         site["unscaled_log_prob"] = parts.log_prob
         scaled = parts.scale_and_mask(site["scale"], site["mask"])
         site["split"] = scaled

@@ -201,3 +201,22 @@ def test_is_delta_unwraps():
     d = dist.Delta(torch.zeros(3), event_dim=1)
     assert is_delta(d) and is_delta(d.expand([2, 3]).mask(True)) and is_delta(dist.Delta(torch.zeros(3)).to_event(1))
     assert not is_delta(dist.Normal(0.0, 1.0))
+
+
+def test_upstream_path_is_kept_in_pathwise():
+    a = torch.tensor(0.4, requires_grad=True)
+    c = torch.tensor(0.5, requires_grad=True)
+    s2 = torch.tensor(0.7, requires_grad=True)
+    z1 = a + torch.randn(3)  # an upstream sample depending on a
+    q2 = dist.Normal(c * z1, s2)
+    z2 = q2.rsample()
+    other = torch.randn(3, requires_grad=True)  # not on q2's graph: ignored
+    parts = split_log_prob(q2, z2, upstream=[z1, other])
+    ref_path = dist.Normal(c.detach() * z1, s2.detach()).log_prob(z2)  # stop phi, keep z1 and z2
+    ref_full = q2.log_prob(z2)
+    params = {"a": a, "c": c, "s2": s2}
+    _assert_close(_grads(parts.pathwise.sum(), params), _grads(ref_path.sum(), params))
+    _assert_close(_grads(parts.log_prob.sum(), params), _grads(ref_full.sum(), params))
+    # score keeps fn's whole graph (z1 included) with the sample stopped
+    ref_score = dist.Normal(c * z1, s2).log_prob(z2.detach())
+    _assert_close(_grads(parts.score.sum(), params), _grads(ref_score.sum(), params))
