@@ -86,9 +86,11 @@ def time_steps(svi: SVI, data, batches, optim=None) -> tuple[float, float, float
     return seconds, comm, losses / steps
 
 
-def optim_average(params, bucket_mb: float) -> float:
+def optim_average(params, optim: DistributedOptimizer) -> float:
     """Seconds of one bucketed gradient average (what DistributedOptimizer does per step)."""
-    return average_gradients(params, bucket_cap_mb=bucket_mb)
+    return average_gradients(
+        params, bucket_cap_mb=optim.bucket_cap_mb, check_params=optim.check_params
+    )
 
 
 def main(argv=None) -> None:
@@ -99,6 +101,9 @@ def main(argv=None) -> None:
     parser.add_argument("--elbo", choices=["trace", "stl"], default="stl")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--bucket-mb", type=float, default=25.0)
+    parser.add_argument(
+        "--no-param-check", action="store_true", help="skip the per-step parameter check"
+    )
     parser.add_argument("--timeout", type=float, default=120.0, help="process group timeout (s)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--smoke", action="store_true", help="a few small steps, for the tests")
@@ -143,7 +148,11 @@ def main(argv=None) -> None:
     pyro.clear_param_store()
     pyro.set_rng_seed(args.seed + rank)  # independent noise per rank
     vae = VAE(hidden=args.hidden)  # different init per rank: the broadcast below fixes that
-    optim = DistributedOptimizer(pyro.optim.Adam({"lr": 1e-3}), bucket_cap_mb=args.bucket_mb)
+    optim = DistributedOptimizer(
+        pyro.optim.Adam({"lr": 1e-3}),
+        bucket_cap_mb=args.bucket_mb,
+        check_params=not args.no_param_check,
+    )
     svi = make_svi(vae, n, elbo_cls(), optim)
     idx = batches(args.batch_size // world, world, rank, warmup + args.steps)
     svi.evaluate_loss(train, idx[0])  # creates all params (encoder and decoder), no step
@@ -156,7 +165,7 @@ def main(argv=None) -> None:
     for p in params:
         p.grad = torch.zeros_like(p)
     dist.barrier()
-    pure = sum(optim_average(params, args.bucket_mb) for _ in range(args.steps)) / args.steps
+    pure = sum(optim_average(params, optim) for _ in range(args.steps)) / args.steps
 
     # The ranks' parameters must still be identical.
     flat = torch.cat([p.detach().reshape(-1) for _, p in sorted(pyro.get_param_store().items())])

@@ -86,8 +86,9 @@ def test_stochastic_estimator_averaged_gradient_is_mean_of_rank_gradients(two_ra
 
 def test_grad_none_counts_as_zero_and_collectives_are_bucketed(two_ranks):
     for rank_result in two_ranks:
-        default, tiny = rank_result["none"][25.0], rank_result["none"][1e-6]
-        for res in (default, tiny):
+        runs = rank_result["none"]
+        default, tiny, unchecked = runs[25.0, True], runs[1e-6, True], runs[25.0, False]
+        for res in (default, tiny, unchecked):
             params = res["params"]
             torch.testing.assert_close(params["a"], torch.full((3,), -1.5, dtype=torch.float64))
             # 'b' had a gradient (5) on rank 1 only: rank 0 contributes zero
@@ -102,6 +103,7 @@ def test_grad_none_counts_as_zero_and_collectives_are_bucketed(two_ranks):
         # 9 params in one bucket: 1 signature check + 1 all_reduce; tiny buckets: 1 + 9
         assert default["all_reduce_calls"] == 2
         assert tiny["all_reduce_calls"] == 10
+        assert unchecked["all_reduce_calls"] == 1
 
 
 def test_params_on_some_ranks_only_is_a_clear_error_on_every_rank(two_ranks):

@@ -139,7 +139,8 @@ def grad_none_and_buckets(rank: int) -> dict:
         return real_all_reduce(*args, **kwargs)
 
     out = {}
-    for cap in (25.0, 1e-6):  # default buckets, then one bucket per parameter
+    # default buckets, one bucket per parameter, default buckets without the param check
+    for cap, check in ((25.0, True), (1e-6, True), (25.0, False)):
         for p in ps.values():
             p.grad = None
         loss.backward(retain_graph=True)
@@ -148,12 +149,12 @@ def grad_none_and_buckets(rank: int) -> dict:
         calls.clear()
         tdist.all_reduce = counting_all_reduce
         try:
-            DistributedOptimizer(pyro.optim.SGD({"lr": 1.0}), bucket_cap_mb=cap)(
-                list(ps.values()) + [z]
-            )
+            DistributedOptimizer(
+                pyro.optim.SGD({"lr": 1.0}), bucket_cap_mb=cap, check_params=check
+            )(list(ps.values()) + [z])
         finally:
             tdist.all_reduce = real_all_reduce
-        out[cap] = {
+        out[cap, check] = {
             "params": {n: store[n].detach().clone() for n in list(ps) + ["z"]},
             "z_grad_is_none": z.grad is None,
             "all_reduce_calls": len(calls),
