@@ -184,24 +184,27 @@ def _candidate_plans(groups: list[_Group]) -> dict[str, list[tuple[list[_Group],
     }
 
 
-def _cost(plan, graph: _Graph) -> int:
-    """Autograd nodes the plan's passes traverse (each pass: on a path from roots to inputs)."""
-    total = 0
-    for gs, inputs in plan:
-        nodes = set().union(*(g.nodes for g in gs))
-        if inputs is not None:
-            wanted = set(inputs)
-            nodes &= graph.coreach(n for g in gs for p, n in g.leaves.items() if p in wanted)
-        total += len(nodes)
-    return total
+def _pass_cost(gs: list[_Group], inputs: list | None, graph: _Graph) -> int:
+    """Autograd nodes a pass traverses: those on a path from its roots to its inputs."""
+    nodes = set().union(*(g.nodes for g in gs))
+    if inputs is not None:
+        wanted = set(inputs)
+        nodes &= graph.coreach(n for g in gs for p, n in g.leaves.items() if p in wanted)
+    return len(nodes)
 
 
 def _plan(groups: list[_Group], graph: _Graph) -> list[tuple[list[_Group], list | None]]:
-    """The candidate plan whose passes traverse the fewest nodes (ties: fewer passes)."""
-    plans = list(_candidate_plans(groups).values())
-    if len(plans[0]) == 1:
-        return plans[0]
-    return min(plans, key=lambda plan: (_cost(plan, graph), len(plan)))
+    """The candidate plan whose passes traverse the fewest nodes (ties: fewer passes).
+
+    Passes run cheapest first: all but the last retain the graph, and the last (the
+    largest) frees saved tensors as it goes, as a plain backward does.
+    """
+    plans = []
+    for plan in _candidate_plans(groups).values():
+        costs = [_pass_cost(gs, inputs, graph) for gs, inputs in plan]
+        order = sorted(range(len(plan)), key=costs.__getitem__)
+        plans.append((sum(costs), len(plan), [plan[i] for i in order]))
+    return min(plans, key=lambda c: c[:2])[2]
 
 
 def _warn_never_trained(groups: list[_Group], names: dict[torch.Tensor, str]) -> None:
