@@ -39,6 +39,17 @@ class ImportanceDraws:
     def num_samples(self) -> int:
         return int(self.log_ratios.shape[0])
 
+    def latent_values(self) -> dict[str, torch.Tensor]:
+        """Vectorized values of the latent sample sites (``pyro.deterministic`` excluded), in
+        the layout :class:`pyro.infer.Predictive` takes as ``posterior_samples``."""
+        return {
+            name: site["value"]
+            for name, site in self.model_trace.nodes.items()
+            if site["type"] == "sample"
+            and not site["is_observed"]
+            and name in self.base_trace.nodes
+        }
+
     def site_draws(self, name: str) -> torch.Tensor:
         """The draws of site ``name``, shaped ``(S,) + its plain value's shape``."""
         site = self.model_trace.nodes[name]

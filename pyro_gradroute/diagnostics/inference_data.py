@@ -61,12 +61,10 @@ class _UnconditionData(UnconditionMessenger):
             super()._pyro_sample(msg)
 
 
-def _posterior_predictive(model, draws: ImportanceDraws, latent, observed, args, kwargs):
-    nodes = draws.model_trace.nodes
-    samples = {k: nodes[k]["value"] for k in latent if not nodes[k]["infer"].get("_deterministic")}
+def _posterior_predictive(model, draws: ImportanceDraws, observed, args, kwargs):
     predictive = Predictive(
         _UnconditionData()(model),
-        posterior_samples=samples,
+        posterior_samples=draws.latent_values(),
         num_samples=draws.num_samples,
         return_sites=list(observed),
         parallel=True,
@@ -139,7 +137,7 @@ def to_inference_data(
         "sample_stats": {"log_importance_ratio": _numpy_draws(draws.log_ratios)},
     }
     if posterior_predictive and observed:
-        pp = _posterior_predictive(model, draws, latent, observed, args, kwargs)
+        pp = _posterior_predictive(model, draws, observed, args, kwargs)
         groups["posterior_predictive"] = {k: _numpy_draws(v) for k, v in pp.items()}
     all_dims = {k: site_dims(base.nodes[k]) for k in latent + observed}
     all_dims.update({k: list(v) for k, v in (dims or {}).items()})

@@ -1,0 +1,71 @@
+"""Gradient estimators by name, imported lazily (an estimator that is not installed is an error
+naming what is).
+
+======== ==================================================== ===============================
+name     class                                                objective
+======== ==================================================== ===============================
+trace    ``pyro_gradroute.infer.Trace_ELBO``                  ELBO, full reparameterized grad
+stl      ``pyro_gradroute.infer.TraceSTL_ELBO``               ELBO, pathwise guide gradient
+iwae     ``pyro.infer.RenyiELBO(alpha=0)``                    IWAE bound (K particles)
+dreg     ``pyro_gradroute.infer.TraceDReG_ELBO``              IWAE bound, doubly reparameterized
+======== ==================================================== ===============================
+
+Example::
+
+    >>> from pyro_gradroute.diagnostics.estimators import make_elbo
+    >>> type(make_elbo("stl", num_particles=4)).__name__
+    'TraceSTL_ELBO'
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+#: name -> (module, class, fixed keyword arguments, one-line description)
+ESTIMATORS: dict[str, tuple[str, str, dict, str]] = {
+    "trace": ("pyro_gradroute.infer", "Trace_ELBO", {}, "ELBO, reparameterized gradient"),
+    "stl": ("pyro_gradroute.infer", "TraceSTL_ELBO", {}, "ELBO, sticking the landing"),
+    "iwae": ("pyro.infer", "RenyiELBO", {"alpha": 0.0}, "IWAE bound (Pyro's RenyiELBO(alpha=0))"),
+    "dreg": ("pyro_gradroute.infer", "TraceDReG_ELBO", {}, "IWAE bound, doubly reparameterized"),
+}
+
+
+def _load(name: str) -> type | None:
+    module, cls, _, _ = ESTIMATORS[name]
+    return getattr(importlib.import_module(module), cls, None)
+
+
+def available_estimators() -> list[str]:
+    """Names whose class is importable in this install, in table order."""
+    return [name for name in ESTIMATORS if _load(name) is not None]
+
+
+def make_elbo(
+    name: str,
+    num_particles: int = 8,
+    max_plate_nesting: int | None = None,
+    vectorize_particles: bool = True,
+) -> Any:
+    """A fresh ELBO for estimator ``name`` with ``num_particles`` (vectorized) particles.
+
+    ``max_plate_nesting`` is passed on when given (Pyro guesses it otherwise).
+
+    :raises ValueError: for an unknown name or one whose class is not installed, listing the
+        available names.
+    """
+    if name not in ESTIMATORS:
+        raise ValueError(
+            f"Unknown estimator {name!r}; available: {', '.join(available_estimators())}"
+        )
+    cls = _load(name)
+    if cls is None:
+        module, clsname, _, _ = ESTIMATORS[name]
+        raise ValueError(
+            f"Estimator {name!r} needs {module}.{clsname}, which this install does not have; "
+            f"available: {', '.join(available_estimators())}"
+        )
+    kwargs = dict(ESTIMATORS[name][2])
+    if max_plate_nesting is not None:
+        kwargs["max_plate_nesting"] = max_plate_nesting
+    return cls(num_particles=num_particles, vectorize_particles=vectorize_particles, **kwargs)

@@ -1,0 +1,119 @@
+"""PNG plots of a comparison (matplotlib's Agg backend; no display needed).
+
+* ``loss_curves.png``: each estimator's training loss per step (moving average);
+* ``gradient_snr.png``: norm SNR of the gradient for guide and model parameters, per estimator;
+* ``forest.png``: ArviZ forest plot of the fitted guides' posteriors, one colour per estimator.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+
+import numpy as np
+
+from ._arviz import import_arviz
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _smooth(x: Sequence[float], width: int) -> np.ndarray:
+    x = np.asarray(x, dtype=float)
+    if width <= 1 or len(x) <= width:
+        return x
+    return np.convolve(x, np.ones(width) / width, mode="valid")
+
+
+def plot_losses(results, path: str) -> str:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    lows, highs = [], []
+    for r in results:
+        y = _smooth(r.losses, max(1, len(r.losses) // 50))
+        ax.plot(np.arange(len(y)) + (len(r.losses) - len(y)), y, label=r.name)
+        if len(y):
+            lows.append(np.min(y))
+            highs.append(np.percentile(y, 90))
+    if lows:
+        pad = 0.05 * (max(highs) - min(lows) or 1.0)
+        ax.set_ylim(min(lows) - pad, max(highs) + pad)
+    ax.set(xlabel="step", ylabel="loss (moving average)", title="Training loss")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def plot_snr(results, path: str) -> str:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    x = np.arange(len(results))
+    for i, (label, attr) in enumerate(
+        [("guide params", "snr_guide"), ("model params", "snr_model")]
+    ):
+        vals = [getattr(r, attr) for r in results]
+        vals = [v if v is not None and math.isfinite(v) else 0.0 for v in vals]
+        ax.bar(x + (i - 0.5) * 0.38, vals, width=0.38, label=label)
+    ax.set_xticks(x, [r.name for r in results])
+    ax.set(ylabel="gradient SNR  |mean| / sd", title="Gradient signal-to-noise at the fit")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def plot_forest(results, path: str, var_names=None) -> str:
+    """ArviZ ``plot_forest`` (0.x); a matplotlib mean +- 2 sd plot where ArviZ has none."""
+    plt = _pyplot()
+    az = import_arviz()
+    idatas = [r.idata for r in results]
+    names = [r.name for r in results]
+    if hasattr(az, "plot_forest"):
+        axes = az.plot_forest(idatas, model_names=names, var_names=var_names, combined=True,
+                              figsize=(7, 1 + 0.25 * _num_rows(idatas[0], var_names) * len(names)))  # fmt: skip
+        fig = np.ravel(axes)[0].figure
+    else:  # pragma: no cover - ArviZ 1.x moved plotting to arviz-plots
+        fig, ax = plt.subplots(figsize=(7, 5))
+        for k, (idata, name) in enumerate(zip(idatas, names)):
+            post = idata["posterior"]
+            labels, means, sds = [], [], []
+            for v in var_names or list(post.data_vars):
+                a = np.asarray(post[v]).reshape(-1, *np.shape(post[v])[2:])
+                flat = a.reshape(a.shape[0], -1)
+                labels += [f"{v}[{j}]" if flat.shape[1] > 1 else v for j in range(flat.shape[1])]
+                means += list(flat.mean(0))
+                sds += list(flat.std(0))
+            y = np.arange(len(labels)) + 0.8 * k / len(names)
+            ax.errorbar(means, y, xerr=2 * np.asarray(sds), fmt="o", label=name)
+        ax.set_yticks(np.arange(len(labels)), labels)
+        ax.legend()
+    fig.suptitle("Posterior (guide draws)")
+    fig.savefig(path, dpi=100, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def _num_rows(idata, var_names) -> int:
+    post = idata["posterior"]
+    names = var_names or list(post.data_vars)
+    return max(1, sum(int(np.prod(post[v].shape[2:])) for v in names))
+
+
+def write_plots(results, out_dir: str, var_names=None) -> list[str]:
+    """Write the three PNGs into ``out_dir`` (created) and return their paths."""
+    os.makedirs(out_dir, exist_ok=True)
+    return [
+        plot_losses(results, os.path.join(out_dir, "loss_curves.png")),
+        plot_snr(results, os.path.join(out_dir, "gradient_snr.png")),
+        plot_forest(results, os.path.join(out_dir, "forest.png"), var_names),
+    ]
