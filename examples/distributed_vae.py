@@ -44,17 +44,23 @@ from pyro_gradroute.infer import Trace_ELBO, TraceSTL_ELBO
 from pyro_gradroute.models.digits_vae import VAE, load_binarized_digits
 
 
-def init_distributed(timeout_s: float) -> None:
-    """Join torchrun's process group; without torchrun, a group of one process on 127.0.0.1."""
+def init_distributed(timeout_s: float) -> torch.device:
+    """Join torchrun's process group (one process on 127.0.0.1 without torchrun); the device.
+
+    GPUs: nccl, one GPU per process (``LOCAL_RANK``); CPU: gloo.
+    """
     if "RANK" not in os.environ:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     backend = "nccl" if torch.cuda.is_available() else "gloo"
+    device = torch.device("cpu")
     if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    return device
 
 
 def make_svi(vae: VAE, n_data: int, elbo, optim) -> SVI:
@@ -111,11 +117,11 @@ def main(argv=None) -> None:
     if args.smoke:
         args.steps, args.batch_size = 3, 32
 
-    init_distributed(args.timeout)
+    device = init_distributed(args.timeout)
     rank, world = dist.get_rank(), dist.get_world_size()
     if args.batch_size % world:
         raise SystemExit(f"--batch-size {args.batch_size} must be divisible by {world} processes")
-    train, _ = load_binarized_digits()
+    train = load_binarized_digits()[0].to(device)
     n = len(train)
     elbo_cls = TraceSTL_ELBO if args.elbo == "stl" else Trace_ELBO
     warmup = 1 if args.smoke else 5
@@ -137,7 +143,9 @@ def main(argv=None) -> None:
         torch.set_num_threads(args.threads)
         pyro.clear_param_store()
         pyro.set_rng_seed(args.seed)
-        svi = make_svi(VAE(hidden=args.hidden), n, elbo_cls(), pyro.optim.Adam({"lr": 1e-3}))
+        svi = make_svi(
+            VAE(hidden=args.hidden).to(device), n, elbo_cls(), pyro.optim.Adam({"lr": 1e-3})
+        )
         idx = batches(args.batch_size, 1, 0, warmup + args.steps)
         time_steps(svi, train, idx[:warmup])
         base = time_steps(svi, train, idx[warmup:])
@@ -147,7 +155,9 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads)
     pyro.clear_param_store()
     pyro.set_rng_seed(args.seed + rank)  # independent noise per rank
-    vae = VAE(hidden=args.hidden)  # different init per rank: the broadcast below fixes that
+    vae = VAE(hidden=args.hidden).to(
+        device
+    )  # different init per rank: the broadcast below fixes that
     optim = DistributedOptimizer(
         pyro.optim.Adam({"lr": 1e-3}),
         bucket_cap_mb=args.bucket_mb,
@@ -171,14 +181,14 @@ def main(argv=None) -> None:
     flat = torch.cat([p.detach().reshape(-1) for _, p in sorted(pyro.get_param_store().items())])
     ref = flat.clone()
     dist.broadcast(ref, src=0)
-    diff = torch.tensor([(flat - ref).abs().max().item(), step_s, comm_s, pure])
+    diff = torch.tensor([(flat - ref).abs().max().item(), step_s, comm_s, pure], device=device)
     dist.all_reduce(diff, op=dist.ReduceOp.MAX)
     if rank == 0:
         n_params = flat.numel()
         print(
             f"digits VAE, hidden={args.hidden} ({n_params} params, {4 * n_params / 2**20:.2f} MB), "
             f"{elbo_cls.__name__}, global batch {args.batch_size}, {args.steps} timed steps, "
-            f"backend {dist.get_backend()}, {os.cpu_count()} CPUs"
+            f"backend {dist.get_backend()}, device {device}, {os.cpu_count()} CPUs"
         )
         b_step, _, b_loss = base
         print(
