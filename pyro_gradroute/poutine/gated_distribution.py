@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from pyro.distributions import TorchDistribution
 from pyro.distributions.score_parts import ScoreParts
+from pyro.ops.provenance import detach_provenance, get_provenance, track_provenance
 
 from .. import routing
 from .resolve import BlockSpec, resolve
@@ -66,9 +67,19 @@ class GatedDistribution(TorchDistribution):
     variance = property(lambda self: self.base_dist.variance)
 
     def _gate(self, t):
+        if torch.jit.is_tracing():
+            raise NotImplementedError(
+                "block_grad routes cannot be traced by the JIT (JitTrace_ELBO and friends). "
+                "Use pyro.infer.Trace_ELBO / TraceGraph_ELBO / TraceMeanField_ELBO / RenyiELBO, "
+                "or pyro_gradroute.infer.Trace_ELBO / TraceSTL_ELBO (fastest with routes)."
+            )
         if not (torch.is_tensor(t) and t.requires_grad):
             return t
-        return routing.gate(t, resolve(self.specs))
+        # TraceGraph_ELBO tracks which sites a log-density depends on with ProvenanceTensor
+        # (a __torch_function__ subclass): gate the plain tensor, then restore the provenance.
+        provenance = get_provenance(t)
+        gated = routing.gate(detach_provenance(t), resolve(self.specs))
+        return track_provenance(gated, provenance) if provenance else gated
 
     def sample(self, sample_shape=_EMPTY):
         return self.base_dist.sample(sample_shape)

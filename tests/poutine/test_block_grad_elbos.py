@@ -1,8 +1,10 @@
 """block_grad under SVI: every ELBO of issue 3 equals the naive reference (1e-5 relative)."""
 
+import contextlib
 from functools import partial
 
 import pyro
+import pyro.distributions as dist
 import pytest
 import torch
 from pyro import infer as pinfer
@@ -13,6 +15,8 @@ from pyro_gradroute.poutine import block_grad
 
 from ..routing.reference import assert_rel_close
 from .models import VAE, Seed
+
+_nothing = contextlib.nullcontext
 
 ELBOS = {
     "ours.Trace_ELBO": lambda **kw: rinfer.Trace_ELBO(**kw),
@@ -158,3 +162,44 @@ def test_guide_site_blocked(elbo_name):
     routed = grads(elbo, s.model, block_grad(s.guide, sites=["z"], params=["q_scale"]))
     reference = _naive_guide_site_reference(s.model, s.guide, "z", ["q_scale"])
     compare(routed, reference, grads(elbo, s.model, s.guide), must_differ=["q_scale"])
+
+
+class Discrete:
+    """A non-reparameterized guide site ``z``: its route covers the score-function term."""
+
+    def __init__(self):
+        self.x = torch.tensor([0.3, 1.2, 0.8])
+
+    def model(self, detach=()):
+        w = pyro.param("w", torch.tensor(0.7))
+        z = pyro.sample("z", dist.Bernoulli(0.4))
+        with pyro.plate("data", 3):
+            pyro.sample("x", dist.Normal(z * w, 1.0), obs=self.x)
+
+    def guide(self, detach=()):
+        a, b = pyro.param("a", torch.tensor(0.5)), pyro.param("b", torch.tensor(1.5))
+        pyro.param("c", torch.tensor(0.2))
+        b = b.detach() if "b" in detach else b
+        pyro.sample("z", dist.Bernoulli(logits=a * b + pyro.param("c")))
+
+
+@pytest.mark.parametrize(
+    "elbo_name", ["ours.Trace_ELBO", "pyro.Trace_ELBO", "pyro.TraceGraph_ELBO"]
+)
+def test_score_function_term_blocked(elbo_name):
+    d, elbo = Discrete(), ELBOS[elbo_name](num_particles=4)
+    grads(elbo, d.model, d.guide)
+    with pytest.warns(UserWarning) if elbo_name.startswith("ours") else _nothing():
+        routed = grads(elbo, d.model, block_grad(d.guide, sites="z", params=["b"]))
+    reference = grads(elbo, d.model, partial(d.guide, detach={"b"}))
+    assert "b" not in routed and "a" in routed
+    compare(routed, reference)
+
+
+@pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")
+def test_jit_elbo_raises_clearly():
+    s = Seed()
+    with pytest.raises(NotImplementedError, match="JIT"):
+        pinfer.JitTrace_ELBO().loss_and_grads(
+            block_grad(s.model, sites="loss2", modules=["B"]), s.guide
+        )
