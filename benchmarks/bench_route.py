@@ -31,12 +31,11 @@ import os
 import resource
 import statistics
 import struct
-import time
 from collections.abc import Callable
 
 import pyro
 import torch
-from _common import print_table
+from _common import print_table, time_interleaved
 from pyro.infer import SVI
 from pyro.infer import Trace_ELBO as PyroTrace_ELBO
 from torch import nn
@@ -96,14 +95,11 @@ def step_ratios(fns: dict[str, Callable[[], object]], base: str, rounds: int) ->
     Candidates run one step each per round, alternately, so the (shared, noisy) machine's
     load hits them alike; per-round ratios cancel slow drifts in that load.
     """
-    for fn in fns.values():  # warm-up
-        fn()
+    time_interleaved(fns, rounds=1, warmup=0)  # warm-up
     times: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(rounds):
-        for k, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            times[k].append(time.perf_counter() - t0)
+        for k, t in time_interleaved(fns, rounds=1, warmup=0).items():
+            times[k].append(t)
     return {
         k: (statistics.median(v), statistics.median(a / b for a, b in zip(v, times[base])))
         for k, v in times.items()
