@@ -122,10 +122,14 @@ def _check_same_params(named: list[tuple[str, torch.Tensor]], group, what: str) 
 def _buckets(
     named: list[tuple[str, torch.Tensor]], cap_bytes: int
 ) -> list[list[tuple[str, torch.Tensor]]]:
-    """Consecutive groups of at most ``cap_bytes`` (at least one param each), one dtype/device each."""
+    """Groups of at most ``cap_bytes`` (at least one param each) of one dtype and device.
+
+    Params are grouped by (dtype, device), then kept in name order: the same on all ranks.
+    """
+    ordered = sorted(named, key=lambda item: (str(item[1].dtype), str(item[1].device)))
     buckets: list[list[tuple[str, torch.Tensor]]] = []
     size, key = 0, None
-    for name, p in named:
+    for name, p in ordered:
         nbytes = p.numel() * p.element_size()
         k = (p.dtype, p.device)
         if not buckets or k != key or size + nbytes > cap_bytes:
@@ -200,7 +204,7 @@ def average_gradients(
             for _, p in bucket
         ]
         if i == 0:  # which params have a gradient on some rank: counts, exact in any float type
-            present = [float(p.grad is not None) for _, p in named]
+            present = [float(p.grad is not None) for b in buckets for _, p in b]
             pieces.append(torch.tensor(present, dtype=dtype, device=device))
         flat = torch.cat(pieces)
         flats.append(flat)
@@ -282,7 +286,7 @@ class DistributedOptimizer(pyro.optim.PyroOptim):
         >>> optim = DistributedOptimizer(pyro.optim.Adam({"lr": 0.01}))
         >>> svi = SVI(model, guide, optim, TraceSTL_ELBO())
         >>> x = torch.randn(10)
-        >>> loss = svi.step(x)           # first step creates the params ...
+        >>> loss = svi.evaluate_loss(x)  # creates the params, no step ...
         >>> broadcast_param_store(src=0)  # ... then make all ranks identical
         >>> loss = svi.step(x)
         >>> tdist.destroy_process_group()
@@ -356,9 +360,8 @@ def broadcast_param_store(
         \theta^{(r)} \leftarrow \theta^{(\text{src})} \quad \text{for every rank } r
 
     (on the unconstrained tensors, so constraints are preserved). Call it on every rank
-    after the first model/guide trace created the parameters (e.g. after the first
-    ``svi.step``, or after ``guide(data)`` for an autoguide) and before the ranks'
-    parameters diverge; with :class:`DistributedOptimizer` they then stay identical.
+    after the first model/guide trace created the parameters (``svi.evaluate_loss(batch)``
+    creates the guide's and the model's without a step) and before the first step; with :class:`DistributedOptimizer` they then stay identical.
     The ranks must hold the same parameter names, shapes and dtypes (a ``RuntimeError``
     lists the differences). Bucketed like :func:`average_gradients`. Optimizer state is
     not broadcast: call it before the first optimizer step has built state, or load the
@@ -376,7 +379,7 @@ def broadcast_param_store(
     """
     _require_initialized("broadcast_param_store")
     store = pyro.get_param_store()
-    named = sorted(((name, store._params[name]) for name in store.keys()), key=lambda item: item[0])
+    named = sorted(store.named_parameters(), key=lambda item: item[0])
     if dist.get_world_size(group) == 1:
         return
     try:
