@@ -1,0 +1,37 @@
+"""Run the README's recipe snippets (the ```python blocks of its recipes section) as written."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def section(name: str) -> str:
+    text = README.read_text()
+    start = text.index(f"<!-- section: {name} -->")
+    return text[start : text.index("<!-- section:", start + 1)]
+
+
+RECIPES = re.findall(r"```python\n(.*?)```", section("recipes"), flags=re.S)
+
+
+def test_three_recipes():
+    assert len(RECIPES) == 3
+
+
+@pytest.mark.parametrize("index", range(len(RECIPES)))
+def test_recipe_runs(index):
+    code = compile(RECIPES[index], f"README.md recipe {index + 1}", "exec")
+    exec(code, {"__name__": f"readme_recipe_{index + 1}"})
+
+
+def test_user_model_example_of_the_diagnostics_section(tmp_path, monkeypatch):
+    (snippet,) = re.findall(r"```python\n(# my_model.py\n.*?)```", section("diagnostics"), re.S)
+    (tmp_path / "my_model.py").write_text(snippet)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from pyro_gradroute.models.registry import load_problem
+
+    problem = load_problem("my_model:problem")
+    assert problem.heldout_args is not None and len(problem.args[0]) == 50
