@@ -94,16 +94,16 @@ def test_grad_none_counts_as_zero_and_collectives_are_bucketed(two_ranks):
             # 'b' had a gradient (5) on rank 1 only: rank 0 contributes zero
             torch.testing.assert_close(params["b"], torch.full((3,), -2.5, dtype=torch.float64))
             for i, n in enumerate("cdefgh"):
-                torch.testing.assert_close(
-                    params[n], torch.full((3,), -(i + 1.0), dtype=torch.float64)
-                )
+                dtype = torch.float32 if n == "c" else torch.float64
+                torch.testing.assert_close(params[n], torch.full((3,), -(i + 1.0), dtype=dtype))
             # no gradient on any rank: stays None, the optimizer skips it
             assert res["z_grad_is_none"]
             torch.testing.assert_close(params["z"], torch.zeros(3, dtype=torch.float64))
-        # 9 params in one bucket: 1 signature check + 1 all_reduce; tiny buckets: 1 + 9
-        assert default["all_reduce_calls"] == 2
+        # 8 float64 params in one bucket, 1 float32 in another: 1 param check + 2 all_reduce;
+        # tiny buckets: 1 + 9; without the check: 2
+        assert default["all_reduce_calls"] == 3
         assert tiny["all_reduce_calls"] == 10
-        assert unchecked["all_reduce_calls"] == 1
+        assert unchecked["all_reduce_calls"] == 2
 
 
 def test_params_on_some_ranks_only_is_a_clear_error_on_every_rank(two_ranks):

@@ -122,10 +122,17 @@ def stochastic_grads(elbo_name: str, rank: int) -> dict:
 
 
 def grad_none_and_buckets(rank: int) -> dict:
-    """Gradients None on some/all ranks; tiny buckets; count of collectives per call."""
+    """Gradients None on some/all ranks; tiny buckets; count of collectives per call.
+
+    'c' is float32 among float64 params: a bucket of its own dtype.
+    """
     pyro.clear_param_store()
     store = pyro.get_param_store()
-    ps = {n: pyro.param(n, torch.zeros(3, dtype=torch.float64)).unconstrained() for n in "abcdefgh"}
+    ps = {
+        n: pyro.param(n, torch.zeros(3, dtype=torch.float32 if n == "c" else torch.float64))
+        for n in "abcdefgh"
+    }
+    ps = {n: p.unconstrained() for n, p in ps.items()}
     loss = (float(rank + 1) * ps["a"]).sum() + sum(
         (i + 1.0) * ps[n].sum() for i, n in enumerate("cdefgh")
     )
