@@ -10,14 +10,14 @@ import pyro
 import pyro.distributions as dist
 import torch
 from pyro.infer.autoguide import AutoGuide
-from pyro.infer.autoguide.initialization import InitMessenger, init_to_feasible
+from pyro.infer.autoguide.initialization import InitMessenger, init_to_feasible, init_to_sample
 from pyro.infer.autoguide.utils import helpful_support_errors
 from pyro.ops.tensor_utils import periodic_repeat
 from torch.distributions import Distribution, Transform, biject_to
 
 from .init import has_moment_init, moment_init, support_spread
 from .parametrized import ParametrizedDistribution, as_pyro_family
-from .support import family_support, match_support, split_event
+from .support import family_support, match_support
 
 __all__ = ["AutoMeanField", "FamilySpec"]
 
@@ -171,7 +171,16 @@ class AutoMeanField(AutoGuide):
         self.init_params = {k: dict(v) for k, v in (init_params or {}).items()}
         self.allow_score_function = allow_score_function
         self._factors: dict[str, _Factor] = {}
-        super().__init__(InitMessenger(init_loc_fn)(model), create_plates=create_plates)
+        super().__init__(InitMessenger(self._init_loc)(model), create_plates=create_plates)
+
+    def _init_loc(self, site: dict) -> torch.Tensor:
+        """``init_loc_fn``, falling back to a prior draw at discrete sites it cannot handle."""
+        try:
+            return self.init_loc_fn(site)
+        except (NotImplementedError, ValueError):
+            if site["fn"].support.is_discrete:
+                return init_to_sample(site)
+            raise
 
     # ---------------------------------------------------------------- setup
     def _family_for(self, name: str, site: dict) -> type:
@@ -214,8 +223,11 @@ class AutoMeanField(AutoGuide):
             how = match_support(fn.support, family, name)
             transform = biject_to(fn.support).with_cache(1) if how == "pushforward" else None
             x = value if transform is None else transform.inv(value).detach()
+        declared = getattr(family, "has_rsample", None)
+        if isinstance(declared, bool):  # else a property: checked on the built instance below
+            self._check_rsample(where, family, declared)
         event_dim = fn.event_dim + x.dim() - value.dim()
-        family_event_dim = split_event(family_support(family))[1]
+        family_event_dim = family_support(family).event_dim
         if event_dim < family_event_dim:
             raise ValueError(
                 f"{where}: the family's samples have {family_event_dim} event dims but the site "
@@ -243,14 +255,17 @@ class AutoMeanField(AutoGuide):
             )
         except (TypeError, ValueError) as e:
             raise ValueError(f"{where}: {e}") from e
-        if not params.has_rsample and not self.allow_score_function:
+        self._check_rsample(where, family, params.has_rsample)
+        return _Factor(params, transform)
+
+    def _check_rsample(self, where: str, family: type, has_rsample: bool) -> None:
+        if not has_rsample and not self.allow_score_function:
             raise ValueError(
                 f"{where}: {family.__name__} has no rsample, so reparameterized estimators "
                 "(Trace_ELBO's pathwise gradient, TraceSTL_ELBO) cannot differentiate through "
                 "it. Choose a reparameterizable family, or pass allow_score_function=True to "
                 "use score-function gradients at this site (higher variance)."
             )
-        return _Factor(params, transform)
 
     def _init_args(self, where, name, family, support, x, pushed) -> dict[str, Any]:
         user = self.init_params.get(name, {})

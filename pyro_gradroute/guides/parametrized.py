@@ -20,7 +20,7 @@ import pyro
 import pyro.distributions as dist
 import torch
 from pyro.distributions.torch_distribution import TorchDistributionMixin
-from torch.distributions import Distribution, biject_to, constraints
+from torch.distributions import Distribution, constraints, transform_to
 
 __all__ = ["ParametrizedDistribution", "as_pyro_family"]
 
@@ -163,7 +163,7 @@ class ParametrizedDistribution:
             if arg in fixed or arg in alternatives and arg not in init:
                 continue
             default = signature[arg].default if arg in signature else inspect.Parameter.empty
-            if constraint.is_discrete:
+            if not constraints.is_dependent(constraint) and constraint.is_discrete:
                 if arg in init:
                     self.fixed[arg] = init[arg]
                 continue
@@ -197,11 +197,11 @@ class ParametrizedDistribution:
                 f"and cannot be learned; pass fixed={{{arg!r}: value}}"
             )
         try:
-            biject_to(constraint)
+            transform_to(constraint)
         except NotImplementedError:
             raise ValueError(
                 f"{where}: argument {arg!r} has constraint {constraint!r}, for which torch has no "
-                f"bijection to the reals, so it cannot be learned; pass fixed={{{arg!r}: value}}"
+                f"transform from the reals, so it cannot be learned; pass fixed={{{arg!r}: value}}"
             ) from None
         if value.dim() < constraint.event_dim:
             raise ValueError(

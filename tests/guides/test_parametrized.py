@@ -110,7 +110,9 @@ def test_fixed_defaults_event_dim_and_torch_classes():
     d = q()
     assert sorted(pyro.get_param_store().keys()) == ["t.loc", "t.scale"]  # scale: its default 1.
     assert bool((d.df == 4.0).all()) and bool((d.scale == 1.0).all())
-    q = ParametrizedDistribution("n", torch.distributions.Normal, event_dim=1, loc=torch.zeros(3), scale=torch.ones(3))
+    q = ParametrizedDistribution(
+        "n", torch.distributions.Normal, event_dim=1, loc=torch.zeros(3), scale=torch.ones(3)
+    )
     d = q()
     assert d.event_shape == (3,) and hasattr(d, "to_event")
 
@@ -123,7 +125,9 @@ def test_alternative_parametrizations_learn_what_is_given():
     assert pyro.get_param_store()._constraints.get("c.probs") is None  # lazily registered
     q()
     assert pyro.get_param_store()._constraints["c.probs"] is constraints.simplex
-    q = ParametrizedDistribution("m", dist.MultivariateNormal, loc=torch.zeros(2), scale_tril=torch.eye(2))
+    q = ParametrizedDistribution(
+        "m", dist.MultivariateNormal, loc=torch.zeros(2), scale_tril=torch.eye(2)
+    )
     assert q().scale_tril.shape == (2, 2)
     assert pyro.get_param_store()._constraints["m.scale_tril"] is constraints.lower_cholesky
     q = ParametrizedDistribution("k", dist.Binomial, total_count=10, probs=0.3)
