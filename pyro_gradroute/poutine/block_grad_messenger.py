@@ -48,6 +48,17 @@ class BlockGradMessenger(Messenger):
     computed. A site in ``sites`` that never occurs raises ``ValueError`` when the
     handler exits (naming it and listing the sites seen).
 
+    Example::
+
+        >>> import pyro, torch, pyro.distributions as dist
+        >>> def model():
+        ...     w = pyro.param("w", torch.tensor(1.0))
+        ...     pyro.factor("penalty", -w**2)
+        >>> with BlockGradMessenger(sites=["penalty"], params=["w"]):
+        ...     tr = pyro.poutine.trace(model).get_trace()
+        >>> type(tr.nodes["penalty"]["fn"]).__name__
+        'GatedDistribution'
+
     :param sites: site name(s) whose terms are blocked.
     :param modules: ``pyro.module`` / ``PyroModule`` name(s) or ``nn.Module`` object(s).
     :param params: param-store name(s), glob(s) (``fnmatch``), predicate(s)

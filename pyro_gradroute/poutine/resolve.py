@@ -91,6 +91,14 @@ def resolve(specs: Iterable[BlockSpec]) -> dict[str, torch.Tensor]:
 
     :raises ValueError: naming a module/param spec that matches nothing and listing
         the available names.
+
+    Example::
+
+        >>> import pyro, torch
+        >>> pyro.clear_param_store()
+        >>> _ = pyro.module("decoder", torch.nn.Linear(2, 1))
+        >>> sorted(resolve([BlockSpec(frozenset({"x"}), ("decoder",), ())]))
+        ['decoder$$$bias', 'decoder$$$weight']
     """
     store = _store()
     out: dict[str, torch.Tensor] = {}
