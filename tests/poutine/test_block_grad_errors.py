@@ -5,11 +5,13 @@ import pyro.distributions as dist
 import pytest
 import torch
 from pyro import infer as pinfer
+from pyro.nn import PyroModule
 
 from pyro_gradroute import infer as rinfer
 from pyro_gradroute.poutine import GatedDistribution, block_grad
 from pyro_gradroute.poutine.resolve import BlockSpec
 
+from ..routing.reference import assert_rel_close, naive_grads
 from .models import Seed
 
 BOTH = [rinfer.Trace_ELBO, pinfer.Trace_ELBO]
@@ -109,3 +111,35 @@ def test_user_infer_dict_is_not_mutated():
         block_grad(model, sites=["w", "loss2"], modules=["B"]), s.guide
     )
     assert infer == {"foo": 1}
+
+
+class _Net(PyroModule):
+    def __init__(self):
+        super().__init__()
+        self.fc = PyroModule[torch.nn.Linear](2, 2)
+        self.head = PyroModule[torch.nn.Linear](2, 1)
+
+    def forward(self, x):
+        h = self.fc(x)
+        pyro.factor("a", -h.pow(2).sum())
+        pyro.factor("b", -self.head(h).pow(2).sum())
+
+
+@pytest.mark.parametrize("elbo_cls", BOTH)
+def test_pyro_module_dotted_names(elbo_cls):
+    """PyroModule params are named ``fc.weight``...: ``modules=["fc"]`` blocks them."""
+    torch.manual_seed(0)
+    net, x = _Net(), torch.randn(3, 2)
+    elbo_cls().loss_and_grads(block_grad(net, sites="b", modules="fc"), lambda x: None, x)
+    fc, head = net.fc, net.head
+    fc_params, head_params = [fc.weight, fc.bias], [head.weight, head.bias]
+
+    def forward():
+        h = torch.nn.functional.linear(x, fc.weight, fc.bias)
+        out = torch.nn.functional.linear(h, head.weight, head.bias)
+        return {"a": h.pow(2).sum(), "b": out.pow(2).sum()}
+
+    want = naive_grads(forward, fc_params + head_params, {"b": fc_params})
+    store = pyro.get_param_store()._params
+    for name, p in zip(["fc.weight", "fc.bias", "head.weight", "head.bias"], want):
+        assert_rel_close(store[name].grad, want[p], what=name)
