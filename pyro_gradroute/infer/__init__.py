@@ -1,7 +1,14 @@
 """Estimators: ELBOs built from one trace per particle and named, routable terms."""
 
 from .elbo import RoutedELBO
+from .trace_dreg_elbo import ReweightedWakeSleepDReG, TraceDReG_ELBO
 from .trace_elbo import Trace_ELBO
 from .trace_stl_elbo import TraceSTL_ELBO
 
-__all__ = ["RoutedELBO", "Trace_ELBO", "TraceSTL_ELBO"]
+__all__ = [
+    "ReweightedWakeSleepDReG",
+    "RoutedELBO",
+    "TraceDReG_ELBO",
+    "Trace_ELBO",
+    "TraceSTL_ELBO",
+]

@@ -45,8 +45,13 @@ class RoutedELBO(ELBO):
     ``_particle_terms(model_trace, guide_trace) -> (elbo: float, terms: dict)``
     returns one particle's ELBO estimate and its named surrogate-ELBO terms
     (to be *maximized*). With vectorized particles the trace pair holds all
-    particles, summed; the base class divides by ``num_particles`` in both cases.
+    particles, summed; the base class divides by :meth:`_particle_divisor`
+    (``num_particles``) in both cases. Estimators whose terms already combine the
+    particles (importance-weighted bounds) return 1 there.
     """
+
+    def _particle_divisor(self) -> int:
+        return self.num_particles
 
     def _get_trace(self, model, guide, args, kwargs):
         return get_split_importance_trace(self.max_plate_nesting, model, guide, args, kwargs)
@@ -55,11 +60,11 @@ class RoutedELBO(ELBO):
         raise NotImplementedError
 
     def _iter_particles(self, model, guide, args, kwargs):
-        """Yield ``(elbo, terms, blocks)`` per trace, divided by ``num_particles``.
+        """Yield ``(elbo, terms, blocks)`` per trace, divided by :meth:`_particle_divisor`.
 
         (A vectorized trace holds all particles, summed: it is divided likewise.)
         """
-        n = self.num_particles
+        n = self._particle_divisor()
         for model_trace, guide_trace in self._get_traces(model, guide, args, kwargs):
             elbo, terms = self._particle_terms(model_trace, guide_trace)
             if n > 1:

@@ -67,18 +67,26 @@ def compute_split_log_prob(trace: poutine.Trace) -> None:
             site["score_parts"] = ScoreParts(scaled.log_prob, parts.score, 0)
 
 
-def get_split_importance_trace(max_plate_nesting, model, guide, args, kwargs):
+def get_split_importance_trace(max_plate_nesting, model, guide, args, kwargs, replay_values=None):
     """Run the guide once and the model once against it; split the guide's log-densities.
 
+    :param replay_values: optional ``guide_trace -> trace`` giving the trace whose values
+        the model replays (for instance with gradient-scaling gates on the values, as
+        :class:`~pyro_gradroute.infer.TraceDReG_ELBO` needs); default the guide trace.
     :returns: ``(model_trace, guide_trace)`` with log-probabilities computed.
     """
     unwrapped_guide = poutine.unwrap(guide)
     if isinstance(unwrapped_guide, poutine.messenger.Messenger):
+        if replay_values is not None:
+            raise NotImplementedError(
+                "GuideMessenger guides are not supported by this estimator; use a callable guide"
+            )
         guide(*args, **kwargs)
         model_trace, guide_trace = unwrapped_guide.get_traces()
     else:
         guide_trace = poutine.trace(guide).get_trace(*args, **kwargs)
-        model_trace = poutine.trace(poutine.replay(model, trace=guide_trace)).get_trace(
+        replayed = guide_trace if replay_values is None else replay_values(guide_trace)
+        model_trace = poutine.trace(poutine.replay(model, trace=replayed)).get_trace(
             *args, **kwargs
         )
     validate = is_validation_enabled()
