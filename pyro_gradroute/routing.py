@@ -368,7 +368,12 @@ class _Gate(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
         grads = torch.autograd.grad(
-            ctx.term, ctx.leaves, grad_out, retain_graph=True, allow_unused=True
+            ctx.term,
+            ctx.leaves,
+            grad_out,
+            retain_graph=True,
+            create_graph=torch.is_grad_enabled(),  # on under create_graph=True: higher orders
+            allow_unused=True,
         )
         return (None, None, *grads)
 

@@ -192,3 +192,11 @@ def test_nan_term_warns(seed_net):
     terms["loss2"] = terms["loss2"] * float("nan")
     with pytest.warns(UserWarning, match="'loss2' is NaN"):
         routing.backward(terms, block={"loss2": [B]})
+
+
+def test_gate_second_derivative():
+    a = torch.tensor(1.5, requires_grad=True)
+    b = torch.tensor(2.0, requires_grad=True)
+    (ga,) = torch.autograd.grad(routing.gate(a**3 * b, [b]), a, create_graph=True)
+    (gaa,) = torch.autograd.grad(ga, a)
+    assert torch.allclose(ga, 3 * a**2 * b) and torch.allclose(gaa, 6 * a * b)
