@@ -80,7 +80,7 @@ def plot_forest(results, path: str, var_names=None) -> str:
     names = [r.name for r in results]
     if hasattr(az, "plot_forest"):
         axes = az.plot_forest(idatas, model_names=names, var_names=var_names, combined=True,
-                              figsize=(7, 1 + 0.25 * _num_rows(idatas[0], var_names) * len(names)))  # fmt: skip
+                              figsize=(7, 1.5 + 0.1 * _num_rows(idatas[0], var_names) * len(names)))  # fmt: skip
         fig = np.ravel(axes)[0].figure
     else:  # pragma: no cover - ArviZ 1.x moved plotting to arviz-plots
         fig, ax = plt.subplots(figsize=(7, 5))
@@ -97,7 +97,6 @@ def plot_forest(results, path: str, var_names=None) -> str:
             ax.errorbar(means, y, xerr=2 * np.asarray(sds), fmt="o", label=name)
         ax.set_yticks(np.arange(len(labels)), labels)
         ax.legend()
-    fig.suptitle("Posterior (guide draws)")
     fig.savefig(path, dpi=100, bbox_inches="tight")
     plt.close(fig)
     return path

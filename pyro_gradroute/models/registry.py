@@ -81,7 +81,7 @@ MODELS: dict[str, tuple[str, str]] = {
     ),
     "eight_schools": (
         "pyro_gradroute.models.eight_schools:problem",
-        "Eight schools, non-centred hierarchical model (10 latents)",
+        "Eight schools, non-centred; AutoMeanField guide with a Gamma factor for tau",
     ),
     "digits_vae": (
         "pyro_gradroute.models.registry:digits_vae_problem",
