@@ -121,7 +121,7 @@ def block_grad(
     sites: str | Iterable[str] = (),
     modules: ModuleSpec | Iterable[ModuleSpec] | None = None,
     params: ParamSpec | Iterable[ParamSpec] | None = None,
-):
+) -> BlockGradMessenger | Callable:
     """Handler form of :class:`BlockGradMessenger` (like ``pyro.poutine.scale``).
 
     Example (an auxiliary label likelihood may shape the encoder, not the decoder)::

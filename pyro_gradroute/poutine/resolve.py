@@ -73,6 +73,12 @@ def _match_module(spec: ModuleSpec, store: dict) -> dict[str, torch.Tensor]:
 
 def _match_param(spec: ParamSpec, store: dict) -> dict[str, torch.Tensor]:
     if torch.is_tensor(spec):
+        if not spec.is_leaf:
+            raise ValueError(
+                f"block_grad: params= got a non-leaf tensor of shape {tuple(spec.shape)} (the "
+                "constrained value pyro.param returns?). Pass the param-store name instead; "
+                f"available names: {sorted(store)}"
+            )
         by_id = {id(t): n for n, t in store.items()}
         return {by_id.get(id(spec), f"tensor{tuple(spec.shape)}"): spec}
     if callable(spec):

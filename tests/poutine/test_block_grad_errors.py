@@ -143,3 +143,11 @@ def test_pyro_module_dotted_names(elbo_cls):
     store = pyro.get_param_store()._params
     for name, p in zip(["fc.weight", "fc.bias", "head.weight", "head.bias"], want):
         assert_rel_close(store[name].grad, want[p], what=name)
+
+
+def test_constrained_param_value_is_refused_with_the_name_to_use():
+    s = Seed()
+    rinfer.Trace_ELBO().loss_and_grads(s.model, s.guide)
+    scale = pyro.param("q_scale")  # constrained: exp of the stored leaf
+    with pytest.raises(ValueError, match="non-leaf.*'q_scale'"):
+        rinfer.Trace_ELBO().loss_and_grads(s.model, block_grad(s.guide, sites="z", params=[scale]))

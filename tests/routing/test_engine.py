@@ -200,3 +200,28 @@ def test_gate_second_derivative():
     (ga,) = torch.autograd.grad(routing.gate(a**3 * b, [b]), a, create_graph=True)
     (gaa,) = torch.autograd.grad(ga, a)
     assert torch.allclose(ga, 3 * a**2 * b) and torch.allclose(gaa, 6 * a * b)
+
+
+def _chosen_plan(terms, block) -> str:
+    groups, graph, _ = routing._groups(routing._differentiable(terms), block)
+    plan = routing._plan(groups, graph)
+    return "by_terms" if any(inputs is None for _, inputs in plan) else "by_params"
+
+
+def test_cost_estimate_picks_the_cheaper_plan():
+    """Seed: by parameters. loss2 on its own branch C, blocked from A: by terms (C only)."""
+    torch.manual_seed(0)
+    A, B, C = mlp(3, 6), mlp(3, 6), mlp(3, 6)
+    x = torch.randn(5, 6)
+
+    def seed():
+        y = B(A(x))
+        return {"loss1": y.pow(2).mean(), "loss2": y.sin().mean()}
+
+    def branch():
+        h = A(x)
+        return {"loss1": B(h).pow(2).mean(), "loss2": C(h).sin().mean()}
+
+    assert _chosen_plan(seed(), {"loss2": [B]}) == "by_params"
+    assert _chosen_plan(branch(), {"loss2": [A]}) == "by_terms"
+    check_equal(branch, params_of(A, B, C), {"loss2": params_of(A)})
