@@ -119,6 +119,7 @@ def gradient_stats(
 
         >>> import torch, pyro, pyro.distributions as dist
         >>> from pyro.infer.autoguide import AutoNormal
+        >>> pyro.clear_param_store()
         >>> from pyro_gradroute.infer import Trace_ELBO
         >>> from pyro_gradroute.diagnostics import gradient_stats
         >>> def model(x):
@@ -189,6 +190,7 @@ def compare_gradients(
 
         >>> import torch, pyro, pyro.distributions as dist
         >>> from pyro.infer.autoguide import AutoNormal
+        >>> pyro.clear_param_store()
         >>> from pyro_gradroute.infer import Trace_ELBO, TraceSTL_ELBO
         >>> from pyro_gradroute.diagnostics import compare_gradients
         >>> model = lambda: pyro.sample("z", dist.Normal(0.0, 1.0))

@@ -106,6 +106,7 @@ def to_inference_data(
 
         >>> import torch, pyro, pyro.distributions as dist, arviz as az
         >>> from pyro.infer.autoguide import AutoNormal
+        >>> pyro.clear_param_store()
         >>> from pyro_gradroute.diagnostics import to_inference_data
         >>> def model(x):
         ...     mu = pyro.sample("mu", dist.Normal(0.0, 1.0))

@@ -14,7 +14,7 @@ Example::
     >>> p = problem()
     >>> X, y = p.args
     >>> tuple(X.shape), tuple(p.heldout_args[0].shape)
-    ((456, 30), (113, 30))
+    ((455, 30), (114, 30))
 """
 
 from __future__ import annotations
