@@ -72,6 +72,15 @@ def _resolve(entries, key) -> dict[torch.Tensor, str]:
     return out
 
 
+def _check_keys(terms: Mapping, block: Block | None, strict: bool) -> None:
+    unknown = [k for k in (block or {}) if k not in terms]
+    if strict and unknown:
+        raise KeyError(
+            f"block names no term: {unknown}; the terms are {list(terms)}. Fix the key, or "
+            "pass strict=False if blocks for absent terms are expected."
+        )
+
+
 def _differentiable(terms: Mapping[Hashable, torch.Tensor]) -> dict[Hashable, torch.Tensor]:
     out = {}
     for k, t in terms.items():
@@ -258,6 +267,7 @@ def backward(
     block: Block | None = None,
     *,
     retain_graph: bool | None = None,
+    strict: bool = True,
 ) -> None:
     r"""Accumulate into ``.grad`` the routed gradient of ``sum(terms.values())``.
 
@@ -283,8 +293,12 @@ def backward(
         ``nn.Module``\ s and/or leaf tensors, or a mapping ``name -> tensor`` (names
         are used in messages). Blocking a parameter a term does not reach is a no-op.
     :param retain_graph: as in :meth:`torch.Tensor.backward` (for the last pass).
+    :param strict: raise ``KeyError`` for a ``block`` key that names no term (a typo would
+        silently drop the route). The ELBOs pass ``False``: their blocks name every marked
+        site, also those whose log-density has no gradient (and hence no term).
     :warns UserWarning: if a parameter is blocked from every term that reaches it.
     """
+    _check_keys(terms, block, strict)
     terms = _differentiable(terms)
     if not terms:
         return
@@ -310,6 +324,7 @@ def grad(
     block: Block | None = None,
     *,
     retain_graph: bool | None = None,
+    strict: bool = True,
 ) -> tuple[torch.Tensor, ...]:
     r"""Routed gradients of ``sum(terms.values())`` w.r.t. ``inputs`` (nothing accumulated).
 
@@ -328,6 +343,7 @@ def grad(
         (tensor(33.), tensor(2.))
     """
     inputs = list(inputs)
+    _check_keys(terms, block, strict)
     terms = _differentiable(terms)
     resolved = {k: set(_resolve(block[k], k)) if block and block.get(k) else set() for k in terms}
     by_allowed: dict[tuple, list[int]] = {}

@@ -102,7 +102,10 @@ class RoutedELBO(ELBO):
             loss -= elbo
             if terms:
                 routing.backward(
-                    {k: -v for k, v in terms.items()}, block=blocks, retain_graph=self.retain_graph
+                    {k: -v for k, v in terms.items()},
+                    block=blocks,
+                    retain_graph=self.retain_graph,
+                    strict=False,  # marked sites without a gradient have no term
                 )
         warn_if_nan(loss, "loss")
         return loss

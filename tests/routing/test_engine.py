@@ -225,3 +225,12 @@ def test_cost_estimate_picks_the_cheaper_plan():
     assert _chosen_plan(seed(), {"loss2": [B]}) == "by_params"
     assert _chosen_plan(branch(), {"loss2": [A]}) == "by_terms"
     check_equal(branch, params_of(A, B, C), {"loss2": params_of(A)})
+
+
+def test_block_key_naming_no_term_raises(seed_net):
+    A, B, C, forward = seed_net
+    with pytest.raises(KeyError, match=r"\['loss3'\].*'loss1', 'loss2', 'aux'"):
+        routing.backward(forward(), block={"loss3": [B]})
+    with pytest.raises(KeyError, match="loss3"):
+        routing.grad(forward(), [B[0].weight], block={"loss3": [B]})
+    routing.backward(forward(), block={"loss3": [B]}, strict=False)
