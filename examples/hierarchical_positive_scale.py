@@ -1,7 +1,9 @@
 """A hierarchical model whose positive group scale gets a Gamma or LogNormal factor.
 
-Eight schools (Rubin 1981): ``mu ~ Normal(0, 5)``, ``tau ~ HalfCauchy(5)``,
-``theta_j ~ Normal(mu, tau)``, ``y_j ~ Normal(theta_j, sigma_j)``. AutoNormal puts a
+Eight schools (Rubin 1981; the bundled non-centred model
+:mod:`pyro_gradroute.models.eight_schools`): ``mu ~ Normal(0, 5)``,
+``tau ~ HalfCauchy(5)``, ``theta_j = mu + tau * theta_tilde_j``,
+``y_j ~ Normal(theta_j, sigma_j)``. AutoNormal puts a
 Normal on ``log tau``; with :class:`~pyro_gradroute.guides.AutoMeanField` one dict
 entry gives ``tau`` a Gamma factor (on the positive reals directly) or a LogNormal
 one, while the other sites keep AutoNormal's treatment. All guides are fitted with
@@ -23,18 +25,7 @@ from pyro.infer.autoguide import AutoNormal
 
 from pyro_gradroute.guides import AutoMeanField
 from pyro_gradroute.infer import TraceSTL_ELBO
-
-Y = torch.tensor([28.0, 8.0, -3.0, 7.0, -1.0, 1.0, 18.0, 12.0])
-SIGMA = torch.tensor([15.0, 10.0, 16.0, 11.0, 9.0, 11.0, 10.0, 18.0])
-
-
-def model(sigma: torch.Tensor, y: torch.Tensor | None = None) -> None:
-    mu = pyro.sample("mu", dist.Normal(0.0, 5.0))
-    tau = pyro.sample("tau", dist.HalfCauchy(5.0))
-    with pyro.plate("schools", len(sigma)):
-        theta = pyro.sample("theta", dist.Normal(mu, tau))
-        pyro.sample("y", dist.Normal(theta, sigma), obs=y)
-
+from pyro_gradroute.models.eight_schools import SIGMA, Y, model
 
 GUIDES = {
     "AutoNormal": lambda: AutoNormal(model),
