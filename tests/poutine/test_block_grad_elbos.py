@@ -26,6 +26,13 @@ ELBOS = {
     "pyro.TraceGraph_ELBO": lambda **kw: pinfer.TraceGraph_ELBO(**kw),
     "pyro.RenyiELBO": lambda **kw: pinfer.RenyiELBO(alpha=0.5, **{"num_particles": 2, **kw}),
 }
+# TraceDReG_ELBO draws its particles vectorized: it runs on the (vectorizable) VAE models.
+DREG = {
+    "ours.TraceDReG_ELBO": lambda **kw: rinfer.TraceDReG_ELBO(
+        **{"num_particles": 2, "vectorize_particles": True, "max_plate_nesting": 1, **kw}
+    )
+}
+ALL = {**ELBOS, **DREG}
 
 
 def grads(elbo, model, guide, seed=3):
@@ -63,9 +70,9 @@ def test_seed_factors(elbo_name):
     check_route(elbo, routed_model, reference, s.model, s.guide, must_differ=["B$$$0.weight"])
 
 
-@pytest.mark.parametrize("elbo_name", list(ELBOS))
+@pytest.mark.parametrize("elbo_name", list(ALL))
 def test_vae_aux_label_does_not_train_decoder(elbo_name):
-    v, elbo = VAE(), ELBOS[elbo_name]()
+    v, elbo = VAE(), ALL[elbo_name]()
     routed_model = block_grad(v.model, sites=["y"], modules=["decoder"])
     reference = partial(v.model, detach={"decoder@y"})
     check_route(elbo, routed_model, reference, v.model, v.guide, ["decoder$$$hidden.weight"])
@@ -73,19 +80,27 @@ def test_vae_aux_label_does_not_train_decoder(elbo_name):
 
 @pytest.mark.parametrize(
     "elbo_name",
-    ["ours.Trace_ELBO", "ours.TraceSTL_ELBO", "pyro.Trace_ELBO", "pyro.TraceGraph_ELBO"],
+    [
+        "ours.Trace_ELBO",
+        "ours.TraceSTL_ELBO",
+        "ours.TraceDReG_ELBO",
+        "pyro.Trace_ELBO",
+        "pyro.TraceGraph_ELBO",
+    ],
 )
 def test_guide_encoder_blocked_from_observed_site(elbo_name):
-    v, elbo = VAE(), ELBOS[elbo_name]()
+    v, elbo = VAE(), ALL[elbo_name]()
     routed_model = block_grad(v.model, sites=["x"], modules=["encoder"])
     reference = partial(v.model, detach={"encoder@x"})
     check_route(elbo, routed_model, reference, v.model, v.guide, ["encoder$$$weight"])
 
 
-@pytest.mark.parametrize("elbo_name", ["ours.Trace_ELBO", "ours.TraceSTL_ELBO", "pyro.Trace_ELBO"])
+@pytest.mark.parametrize(
+    "elbo_name", ["ours.Trace_ELBO", "ours.TraceSTL_ELBO", "ours.TraceDReG_ELBO", "pyro.Trace_ELBO"]
+)
 def test_vectorized_particles_and_subsampling(elbo_name):
     v = VAE(subsample_size=5)
-    elbo = ELBOS[elbo_name](num_particles=3, vectorize_particles=True, max_plate_nesting=1)
+    elbo = ALL[elbo_name](num_particles=3, vectorize_particles=True, max_plate_nesting=1)
     routed_model = block_grad(v.model, sites=["y"], modules=["decoder"])
     reference = partial(v.model, detach={"decoder@y"})
     check_route(elbo, routed_model, reference, v.model, v.guide, ["decoder$$$hidden.weight"])
