@@ -118,8 +118,9 @@ def psis_khat(
         >>> exact = lambda: pyro.sample("z", dist.Normal(0.0, 1.0))
         >>> psis_khat(model, exact).reading
         'good'
-        >>> narrow = lambda: pyro.sample("z", dist.Normal(0.0, 0.2))
-        >>> psis_khat(model, narrow, num_samples=4000).reading
+        >>> pyro.set_rng_seed(0)
+        >>> off = lambda: pyro.sample("z", dist.Normal(2.0, 0.2))  # shifted and 5x too narrow
+        >>> psis_khat(model, off, num_samples=4000).reading
         'unreliable'
     """
     draws = importance_draws(
