@@ -1,0 +1,33 @@
+"""The README's guides section: its ```python snippets run as written and print what they claim."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def snippets() -> list[str]:
+    text = README.read_text()
+    start = text.index("<!-- section: guides -->")
+    section = text[start : text.index("<!-- section:", start + 1)]
+    return re.findall(r"```python\n(.*?)```", section, flags=re.S)
+
+
+def test_two_snippets():
+    assert len(snippets()) == 2
+
+
+def test_parametrized_snippet(capsys):
+    exec(compile(snippets()[0], "README guides snippet 1", "exec"), {})
+    assert "['gamma.concentration', 'gamma.rate', 'lognormal.loc'" in capsys.readouterr().out
+
+
+def test_auto_mean_field_snippet():
+    namespace: dict = {}
+    exec(compile(snippets()[1], "README guides snippet 2", "exec"), namespace)
+    q = namespace["q"]
+    assert q.concentration.item() == pytest.approx(20.0, rel=0.05)
+    assert q.rate.item() == pytest.approx(5.0, rel=0.05)
+    assert namespace["samples"]["rate"].shape[0] == 100
