@@ -212,11 +212,18 @@ def format_table(results: Sequence[EstimatorResult]) -> str:
 
 def suggest(results: Sequence[EstimatorResult]) -> str:
     """One line naming the estimator with the best held-out log-likelihood (else the best
-    :math:`\\log p(x)` estimate), with its guide-gradient SNR relative to the others."""
+    :math:`\\log p(x)` estimate) and its k-hat reading, with a hint when every guide is
+    unreliable."""
     if not results:
         return ""
     have_heldout = all(r.heldout_ll is not None for r in results)
     key = (lambda r: r.heldout_ll) if have_heldout else (lambda r: r.log_px)
     best = max(results, key=lambda r: (not math.isnan(key(r)), key(r)))
     what = "held-out log-likelihood" if have_heldout else "log p(x) estimate"
-    return f"best {what}: {best.name} ({_fmt(key(best), '.4f')}); k-hat {best.khat.reading}"
+    line = f"best {what}: {best.name} ({_fmt(key(best), '.4f')}); k-hat {best.khat.reading}"
+    if all(r.khat.reading == "unreliable" for r in results):
+        line += (
+            " -- every guide has k-hat > 0.7: the guide family, not the estimator, limits the fit"
+            " (try a richer guide, e.g. AutoMultivariateNormal or AutoMeanField families)"
+        )
+    return line

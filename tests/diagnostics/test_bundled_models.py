@@ -23,3 +23,18 @@ def test_swap_family_changes_one_argument():
         assert isinstance(problem(family).guide.q(), family)
     with pytest.raises(ValueError, match="choose one of"):
         problem(dist.Beta)
+
+
+def test_suggest_prefers_heldout_and_flags_unreliable_guides():
+    from types import SimpleNamespace
+
+    from pyro_gradroute.diagnostics.compare import suggest
+    from pyro_gradroute.diagnostics.psis import PSISResult
+
+    def row(name, heldout, log_px, k):
+        return SimpleNamespace(name=name, heldout_ll=heldout, log_px=log_px, khat=PSISResult(k))
+
+    line = suggest([row("trace", -1.2, -5.0, 0.3), row("stl", -1.1, -9.0, 0.9)])
+    assert line.startswith("best held-out log-likelihood: stl") and "richer guide" not in line
+    line = suggest([row("trace", None, -5.0, 0.8), row("stl", None, -9.0, 0.9)])
+    assert line.startswith("best log p(x) estimate: trace") and "richer guide" in line
