@@ -17,6 +17,7 @@ Weibull          :math:`k` solves :math:`\Gamma(1+2/k)/\Gamma(1+1/k)^2 - 1 = s^2
                  :math:`\lambda = m/\Gamma(1+1/k)`
 Beta             :math:`\nu = m(1-m)/s^2 - 1,\ \alpha = m\nu,\ \beta = (1-m)\nu`
 Dirichlet        :math:`\alpha_0 = \overline{m_i(1-m_i)/s_i^2} - 1,\ \alpha = m\,\alpha_0`
+MVN              :math:`\mu = m,\ L = \operatorname{diag}(s)` (MultivariateNormal ``scale_tril``)
 ===============  ==============================================================================
 
 (Beta and Dirichlet need :math:`s^2 < m(1-m)`; larger ``s`` is clipped.)
@@ -103,6 +104,11 @@ def moment_init(family: type, mean: torch.Tensor, sd: torch.Tensor) -> dict[str,
 @register_moment_init(torch.distributions.Normal)
 def _normal(m, s):
     return {"loc": m, "scale": s.clamp_min(_TINY)}
+
+
+@register_moment_init(torch.distributions.MultivariateNormal)
+def _multivariate_normal(m, s):
+    return {"loc": m, "scale_tril": torch.diag_embed(s.clamp_min(_TINY))}
 
 
 @register_moment_init(torch.distributions.Laplace)

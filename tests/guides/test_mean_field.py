@@ -244,3 +244,21 @@ def test_discrete_site_with_real_family_gets_autonormal_error():
 
     with pytest.raises(ValueError, match="discrete sample site 'k'"):
         AutoMeanField(model)()
+
+
+def test_multivariate_normal_factor_for_a_vector_site_in_a_plate():
+    def model():
+        with pyro.plate("groups", 4):
+            pyro.sample("v", dist.Normal(torch.zeros(3), 1.0).to_event(1))
+            pyro.sample("s", dist.Gamma(torch.ones(2), 1.0).to_event(1))
+
+    guide = AutoMeanField(model, family={"v": dist.MultivariateNormal, "s": dist.LogNormal})
+    post = guide.get_posterior()
+    assert isinstance(post["v"], dist.MultivariateNormal)
+    assert post["v"].batch_shape == (4,) and post["v"].event_shape == (3,)
+    assert post["v"].scale_tril.shape == (4, 3, 3)
+    assert post["s"].batch_shape == (4,) and post["s"].event_shape == (2,)
+    svi = SVI(model, guide, pyro.optim.Adam({"lr": 0.05}), TraceSTL_ELBO())
+    for _ in range(5):
+        svi.step()
+    assert guide.median()["v"].shape == (4, 3) and guide.median()["s"].shape == (4, 2)
