@@ -23,9 +23,7 @@ than of latency.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import socket
 import time
 
 import pyro
@@ -39,28 +37,10 @@ from pyro_gradroute.distributed import (
     ShardedPlate,
     average_gradients,
     broadcast_param_store,
+    init_distributed,
 )
 from pyro_gradroute.infer import Trace_ELBO, TraceSTL_ELBO
 from pyro_gradroute.models.digits_vae import VAE, load_binarized_digits
-
-
-def init_distributed(timeout_s: float) -> torch.device:
-    """Join torchrun's process group (one process on 127.0.0.1 without torchrun); the device.
-
-    GPUs: nccl, one GPU per process (``LOCAL_RANK``); CPU: gloo.
-    """
-    if "RANK" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    device = torch.device("cpu")
-    if backend == "nccl":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(device)
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
-    return device
 
 
 def make_svi(vae: VAE, n_data: int, elbo, optim) -> SVI:
@@ -117,7 +97,7 @@ def main(argv=None) -> None:
     if args.smoke:
         args.steps, args.batch_size = 3, 32
 
-    device = init_distributed(args.timeout)
+    device = init_distributed(args.timeout)  # torchrun's group, or one process
     rank, world = dist.get_rank(), dist.get_world_size()
     if args.batch_size % world:
         raise SystemExit(f"--batch-size {args.batch_size} must be divisible by {world} processes")
@@ -212,6 +192,7 @@ def main(argv=None) -> None:
         print(
             f"params identical across ranks: {diff[0].item() == 0.0} (max |diff| {diff[0].item():.1e})"
         )
+    dist.barrier()  # all ranks done before any tears the group down
     dist.destroy_process_group()
 
 

@@ -48,6 +48,7 @@ def _entry(fn, rank, world_size, port, out_dir, pg_timeout_s, args):
         )
         result = fn(rank, world_size, *args)
         torch.save(result, out / f"rank{rank}.pt")
+        torch.distributed.barrier()  # all ranks done before any tears the group down
     except BaseException:
         (out / f"rank{rank}.err").write_text(traceback.format_exc())
         raise SystemExit(1) from None

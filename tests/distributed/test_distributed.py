@@ -149,3 +149,10 @@ def test_sharded_plate_deals_equal_batches_covering_the_data():
     trace = pyro.poutine.trace(lambda: pyro.sample("x", pyro.distributions.Normal(0, 1))).get_trace
     with shards[1].plate(batches[1][1]):
         assert trace().nodes["x"]["scale"] == 11 / 2
+
+
+def test_subsampling_example_runs_on_two_ranks_with_identical_fits(two_ranks):
+    rank0, rank1 = (r["subsampling_example"] for r in two_ranks)
+    assert set(rank0) == {"exact", "plate(N, subsample=idx)", "plate(b)"}
+    assert rank0 == rank1  # the guide's params are identical on both ranks
+    assert rank0["plate(N, subsample=idx)"] != rank0["plate(b)"]

@@ -5,6 +5,9 @@ Module-level functions so that ``spawn``-ed processes can import them.
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import pyro
 import pyro.distributions as dist
 import pyro.infer
@@ -187,6 +190,15 @@ def mismatch(rank: int) -> str:
     return "no error"
 
 
+def run_example(filename: str, argv: list[str]):
+    """``main(argv)`` of ``examples/<filename>``, inside this rank's process group."""
+    path = Path(__file__).resolve().parents[2] / "examples" / filename
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main(argv)
+
+
 def main_worker(rank: int, world_size: int, out_dir: str) -> None:
     """Everything the tests need, in one 2-process run (process start-up is the main cost).
 
@@ -203,6 +215,7 @@ def main_worker(rank: int, world_size: int, out_dir: str) -> None:
         out["stochastic"][name] = stochastic_grads(name, rank)
     out["none"] = grad_none_and_buckets(rank)
     out["mismatch"] = mismatch(rank)
+    out["subsampling_example"] = run_example("distributed_subsampling.py", ["--smoke"])
     torch.save(out, f"{out_dir}/results{rank}.pt")
     failing_scenario(rank, world_size)
 
