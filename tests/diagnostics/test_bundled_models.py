@@ -38,3 +38,13 @@ def test_suggest_prefers_heldout_and_flags_unreliable_guides():
     assert line.startswith("best held-out log-likelihood: stl") and "richer guide" not in line
     line = suggest([row("trace", None, -5.0, 0.8), row("stl", None, -9.0, 0.9)])
     assert line.startswith("best log p(x) estimate: trace") and "richer guide" in line
+
+
+def test_forest_fallback_without_arviz_plotting(tmp_path, monkeypatch):
+    from pyro_gradroute.diagnostics import plots
+
+    rows = compare_estimators("eight_schools", ["trace", "stl"], steps=2, snr_draws=2,
+                              num_samples=20, progress=False)  # fmt: skip
+    monkeypatch.setattr(plots, "_arviz_forest", lambda *a: None)  # as on ArviZ 1.x
+    path = plots.plot_forest(rows, str(tmp_path / "f.png"), ["mu", "theta"])
+    assert (tmp_path / "f.png").read_bytes()[:4] == b"\x89PNG" and path.endswith("f.png")
