@@ -55,7 +55,9 @@ def test_deterministic_guide_two_ranks_equal_one_process_on_union(two_ranks, elb
         torch.testing.assert_close(rank1["final"][name], value, atol=1e-6, rtol=0)
 
 
-@pytest.mark.parametrize("elbo_name", ["gradroute.Trace_ELBO", "gradroute.TraceSTL_ELBO"])
+@pytest.mark.parametrize(
+    "elbo_name", ["gradroute.Trace_ELBO", "gradroute.TraceSTL_ELBO", "gradroute.TraceDReG_ELBO"]
+)
 def test_block_grad_route_changes_the_distributed_fit(two_ranks, elbo_name):
     """Guard: the routed runs compared above really differ from the unrouted ones."""
     plain = two_ranks[0]["delta"][elbo_name]["final"]["AutoDelta.z"]
@@ -72,7 +74,7 @@ def test_union_reference_is_not_the_sum_of_gradients(two_ranks):
     assert not torch.allclose(ref["final"]["AutoDelta.mu"], shard["final"]["AutoDelta.mu"])
 
 
-@pytest.mark.parametrize("elbo_name", ["pyro.Trace_ELBO", "gradroute.TraceSTL_ELBO"])
+@pytest.mark.parametrize("elbo_name", workers.STOCHASTIC_RUNS)
 def test_stochastic_estimator_averaged_gradient_is_mean_of_rank_gradients(two_ranks, elbo_name):
     results = [r["stochastic"][elbo_name] for r in two_ranks]
     grads = [r["grads"] for r in results]

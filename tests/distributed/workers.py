@@ -34,9 +34,15 @@ ELBOS = {
     "pyro.TraceGraph_ELBO": pyro.infer.TraceGraph_ELBO,
     "gradroute.Trace_ELBO": gr_infer.Trace_ELBO,
     "gradroute.TraceSTL_ELBO": gr_infer.TraceSTL_ELBO,
+    "gradroute.TraceDReG_ELBO": lambda num_particles=3: gr_infer.TraceDReG_ELBO(
+        num_particles=num_particles
+    ),
 }
 # with a route: the likelihood "x" may not train the local points "AutoDelta.z"
-DELTA_RUNS = [*ELBOS, "gradroute.Trace_ELBO+block_grad", "gradroute.TraceSTL_ELBO+block_grad"]
+DELTA_RUNS = [*ELBOS] + [
+    f"gradroute.{name}+block_grad" for name in ("Trace_ELBO", "TraceSTL_ELBO", "TraceDReG_ELBO")
+]
+STOCHASTIC_RUNS = ["pyro.Trace_ELBO", "gradroute.TraceSTL_ELBO", "gradroute.TraceDReG_ELBO"]
 
 
 def data() -> torch.Tensor:
@@ -211,7 +217,7 @@ def main_worker(rank: int, world_size: int, out_dir: str) -> None:
     batches = shard_batches(rank, world_size)
     for name in DELTA_RUNS:
         out["delta"][name] = train_delta(name, batches, seed=rank, distributed=True)
-    for name in ("pyro.Trace_ELBO", "gradroute.TraceSTL_ELBO"):
+    for name in STOCHASTIC_RUNS:
         out["stochastic"][name] = stochastic_grads(name, rank)
     out["none"] = grad_none_and_buckets(rank)
     out["mismatch"] = mismatch(rank)
