@@ -215,10 +215,9 @@ def average_gradients(
 
     Example (one process; a real run has several ranks)::
 
-        >>> import os, torch, pyro, torch.distributed as dist
-        >>> from pyro_gradroute.distributed import average_gradients
-        >>> dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29581",
-        ...                         rank=0, world_size=1)
+        >>> import torch, pyro, torch.distributed as dist
+        >>> from pyro_gradroute.distributed import average_gradients, init_distributed
+        >>> device = init_distributed()  # under torchrun: its group; here: one process
         >>> p = pyro.param("w", torch.ones(3)).unconstrained()
         >>> (2 * p).sum().backward()
         >>> _ = average_gradients([p])
@@ -316,9 +315,9 @@ class DistributedOptimizer(pyro.optim.PyroOptim):
         >>> from pyro.infer import SVI
         >>> from pyro.infer.autoguide import AutoNormal
         >>> from pyro_gradroute.infer import TraceSTL_ELBO
-        >>> from pyro_gradroute.distributed import DistributedOptimizer, broadcast_param_store
-        >>> tdist.init_process_group("gloo", init_method="tcp://127.0.0.1:29582",
-        ...                          rank=0, world_size=1)
+        >>> from pyro_gradroute.distributed import (
+        ...     DistributedOptimizer, broadcast_param_store, init_distributed)
+        >>> device = init_distributed()
         >>> def model(x):
         ...     mu = pyro.sample("mu", dist.Normal(0.0, 1.0))
         ...     with pyro.plate("data", len(x)):
@@ -412,9 +411,8 @@ def broadcast_param_store(
     Example (one process; a real run has several ranks)::
 
         >>> import torch, pyro, torch.distributed as dist
-        >>> from pyro_gradroute.distributed import broadcast_param_store
-        >>> dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29583",
-        ...                         rank=0, world_size=1)
+        >>> from pyro_gradroute.distributed import broadcast_param_store, init_distributed
+        >>> device = init_distributed()
         >>> w = pyro.param("w", torch.randn(3))
         >>> broadcast_param_store(src=0)
         >>> dist.destroy_process_group()
