@@ -8,7 +8,12 @@ import pyro
 import pytest
 import torch
 
-from pyro_gradroute.distributed import DistributedOptimizer, ShardedPlate, average_gradients
+from pyro_gradroute.distributed import (
+    DistributedOptimizer,
+    ShardedPlate,
+    average_gradients,
+    init_distributed,
+)
 
 from . import workers
 from .launch import RanksFailed, run_ranks
@@ -158,3 +163,25 @@ def test_subsampling_example_runs_on_two_ranks_with_identical_fits(two_ranks):
     assert set(rank0) == {"exact", "plate(N, subsample=idx)", "plate(b)"}
     assert rank0 == rank1  # the guide's params are identical on both ranks
     assert rank0["plate(N, subsample=idx)"] != rank0["plate(b)"]
+
+
+def test_init_distributed_alone_and_scheduler_passthrough(monkeypatch):
+    """Without torchrun: a world of one; the wrapper passes a scheduler's step() through."""
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    device = init_distributed(timeout_s=30, backend="gloo")
+    try:
+        assert torch.distributed.get_world_size() == 1 and device == torch.device("cpu")
+        p = pyro.param("w", torch.ones(2)).unconstrained()
+        sched = pyro.optim.ExponentialLR(
+            {"optimizer": torch.optim.SGD, "optim_args": {"lr": 0.1}, "gamma": 0.5}
+        )
+        optim = DistributedOptimizer(sched)
+        p.sum().backward()
+        optim([p])
+        torch.testing.assert_close(p.detach(), torch.full((2,), 0.9))
+        optim.step()  # the scheduler's
+        assert [o.get_last_lr() for o in optim.optim_objs.values()] == [[0.05]]
+        assert list(optim.get_state()) == ["w"]
+    finally:
+        torch.distributed.destroy_process_group()
