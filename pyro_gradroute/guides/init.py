@@ -53,13 +53,16 @@ def register_moment_init(family: type) -> Callable[[MomentInit], MomentInit]:
 
     Example::
 
-        >>> import torch, pyro.distributions as dist
-        >>> @register_moment_init(dist.Gumbel)
+        >>> import math, torch, pyro.distributions as dist
+        >>> class MyGumbel(dist.Gumbel):
+        ...     pass
+        >>> @register_moment_init(MyGumbel)
         ... def _gumbel(m, s):
-        ...     beta = s * 6**0.5 / torch.pi
+        ...     beta = s * 6**0.5 / math.pi
         ...     return {"loc": m - 0.5772156649 * beta, "scale": beta}
-        >>> sorted(moment_init(dist.Gumbel, torch.tensor(1.0), torch.tensor(0.5)))
-        ['loc', 'scale']
+        >>> q = MyGumbel(**moment_init(MyGumbel, torch.tensor(1.0), torch.tensor(0.5)))
+        >>> round(q.mean.item(), 4), round(q.stddev.item(), 4)
+        (1.0, 0.5)
     """
 
     def decorator(fn: MomentInit) -> MomentInit:
