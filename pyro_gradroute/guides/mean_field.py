@@ -210,10 +210,14 @@ class AutoMeanField(AutoGuide):
 
     def _setup_prototype(self, *args, **kwargs) -> None:
         super()._setup_prototype(*args, **kwargs)
-        self._check_names()
-        self._factors = {}
-        for name, site in self.prototype_trace.iter_stochastic_nodes():
-            self._factors[name] = self._make_factor(name, site)
+        try:
+            self._check_names()
+            self._factors = {}
+            for name, site in self.prototype_trace.iter_stochastic_nodes():
+                self._factors[name] = self._make_factor(name, site)
+        except Exception:
+            self.prototype_trace = None  # a later call sets up again (and raises again)
+            raise
 
     def _make_factor(self, name: str, site: dict) -> _Factor:
         family = self._family_for(name, site)
