@@ -197,8 +197,8 @@ def average_gradients(
         \qquad \text{grad}_{p,r} := 0 \text{ where rank } r \text{ has no gradient}
 
     A parameter whose gradient is ``None`` on *every* rank keeps ``None`` (so the
-    optimizer skips it, as in one process). The gradients are flattened, in
-    param-store-name order, into buckets of at most ``bucket_cap_mb`` megabytes and
+    optimizer skips it, as in one process). The gradients are flattened, grouped by
+    dtype and device and in param-store-name order within a group, into buckets of at most ``bucket_cap_mb`` megabytes and
     each bucket is summed with one asynchronous ``all_reduce``; one small extra
     collective checks that all ranks hold the same parameters (a
     :class:`ParameterMismatchError` naming the differing ones otherwise). With one rank
@@ -232,7 +232,10 @@ def average_gradients(
         return 0.0
     for name, p in named:
         if p.grad is not None and p.grad.is_sparse:
-            raise ValueError(f"average_gradients: sparse gradient of '{name}' is not supported.")
+            raise ValueError(
+                f"average_gradients: the gradient of '{name}' is sparse, which is not "
+                "supported; use dense gradients (e.g. nn.Embedding(..., sparse=False))."
+            )
     start = time.perf_counter()
     if check_params:
         _check_same_params(named, group, "average_gradients")
