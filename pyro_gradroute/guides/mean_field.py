@@ -13,7 +13,7 @@ from pyro.infer.autoguide import AutoGuide
 from pyro.infer.autoguide.initialization import InitMessenger, init_to_feasible, init_to_sample
 from pyro.infer.autoguide.utils import helpful_support_errors
 from pyro.ops.tensor_utils import periodic_repeat
-from torch.distributions import Distribution, Transform, biject_to
+from torch.distributions import Distribution, Transform, biject_to, constraints
 
 from .init import has_moment_init, moment_init, support_spread
 from .parametrized import ParametrizedDistribution, as_pyro_family
@@ -243,16 +243,20 @@ class AutoMeanField(AutoGuide):
                 x = periodic_repeat(x, full_size, frame.dim - event_dim).contiguous()
         batch_shape = x.shape[: x.dim() - family_event_dim]
         args = self._init_args(where, name, family, fn.support, x, transform is not None)
-        for arg, v in list(args.items()):
-            c = (
-                family.arg_constraints.get(arg)
-                if isinstance(family.arg_constraints, dict)
-                else None
-            )
-            if c is not None and not c.is_discrete:
-                v = torch.as_tensor(v, dtype=x.dtype)
-                arg_event = v.shape[v.dim() - c.event_dim :] if c.event_dim else ()
+        arg_constraints = family.arg_constraints if isinstance(family.arg_constraints, dict) else {}
+        for arg, v in list(args.items()):  # full batch shape, one value per element
+            c = arg_constraints.get(arg)
+            if c is None or constraints.is_dependent(c) or c.is_discrete:
+                continue
+            v = torch.as_tensor(v, dtype=x.dtype)
+            arg_event = v.shape[v.dim() - c.event_dim :] if c.event_dim else ()
+            try:
                 args[arg] = v.expand(batch_shape + arg_event).clone()
+            except RuntimeError:
+                raise ValueError(
+                    f"{where}: initial value of {arg!r} has shape {tuple(v.shape)}, which does not "
+                    f"broadcast to the factor's shape {tuple(batch_shape + arg_event)}"
+                ) from None
         try:
             params = ParametrizedDistribution(
                 f"{self._pyro_name}.{name}", family, event_dim=event_dim - family_event_dim, **args

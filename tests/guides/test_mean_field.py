@@ -291,3 +291,18 @@ def test_failed_setup_raises_again_on_the_next_call():
     for _ in range(2):
         with pytest.raises(ValueError, match="support mismatch"):
             guide()
+
+
+def test_init_params_with_a_wrong_shape_is_a_clear_error():
+    def model():
+        with pyro.plate("groups", 4):
+            pyro.sample("s", dist.Gamma(2.0, 1.0))
+
+    guide = AutoMeanField(model, family=dist.Gamma, init_params={"s": {"rate": torch.ones(3)}})
+    with pytest.raises(
+        ValueError, match=r"site 's'.*'rate' has shape \(3,\).*factor's shape \(4,\)"
+    ):
+        guide()
+    pyro.clear_param_store()
+    guide = AutoMeanField(model, family=dist.Gamma, init_params={"s": {"rate": 2.0}})
+    assert torch.equal(guide.get_posterior()["s"].rate, torch.full((4,), 2.0))
