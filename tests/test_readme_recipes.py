@@ -1,20 +1,10 @@
 """Run the README's recipe snippets (the ```python blocks of its recipes section) as written."""
 
-import re
-from pathlib import Path
-
 import pytest
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+from tests.readme import python_snippets
 
-
-def section(name: str) -> str:
-    text = README.read_text()
-    start = text.index(f"<!-- section: {name} -->")
-    return text[start : text.index("<!-- section:", start + 1)]
-
-
-RECIPES = re.findall(r"```python\n(.*?)```", section("recipes"), flags=re.S)
+RECIPES = python_snippets("recipes")
 
 
 def test_three_recipes():
@@ -28,7 +18,7 @@ def test_recipe_runs(index):
 
 
 def test_user_model_example_of_the_diagnostics_section(tmp_path, monkeypatch):
-    (snippet,) = re.findall(r"```python\n(# my_model.py\n.*?)```", section("diagnostics"), re.S)
+    (snippet,) = python_snippets("diagnostics", prefix="# my_model.py\n")
     (tmp_path / "my_model.py").write_text(snippet)
     monkeypatch.syspath_prepend(str(tmp_path))
     from pyro_gradroute.models.registry import load_problem

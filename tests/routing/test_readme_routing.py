@@ -1,18 +1,12 @@
 """The README's routing section: its ```python snippets run as written."""
 
-import re
-from pathlib import Path
-
 import pytest
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+from tests.readme import python_snippets
 
 
 def snippets() -> list[str]:
-    text = README.read_text()
-    start = text.index("<!-- section: routing -->")
-    section = text[start : text.index("<!-- section:", start + 1)]
-    return re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    return python_snippets("routing")
 
 
 def test_two_snippets():

@@ -1,0 +1,27 @@
+"""The README's split_log_prob, TraceSTL_ELBO and TraceDReG_ELBO snippets run as written."""
+
+import pytest
+import torch
+
+from tests.readme import python_snippets, run_snippet
+
+
+def test_split_snippet():
+    (code,) = python_snippets("split")
+    ns = run_snippet(code, "README split snippet")
+    assert torch.equal(ns["log_prob"], ns["log_prob_detach"])
+    assert not ns["log_prob_detach"].requires_grad or ns["log_prob_detach"].grad_fn is not None
+
+
+def test_stl_snippet():
+    (code,) = python_snippets("stl")
+    ns = run_snippet(code, "README stl snippet")
+    median = ns["guide"].median()
+    assert median["loc"].item() == pytest.approx(ns["x"].mean().item(), abs=0.3)
+    assert median["scale"].item() == pytest.approx(ns["x"].std().item(), abs=0.3)
+
+
+def test_dreg_snippet():
+    (code,) = python_snippets("dreg")
+    ns = run_snippet(code, "README dreg snippet")
+    assert 10 < ns["loss"] / 128 < 60
