@@ -52,7 +52,7 @@ from typing import NamedTuple
 import torch
 from torch.distributions import Distribution, Independent
 
-__all__ = ["SplitLogProb", "split_log_prob", "is_delta"]
+__all__ = ["SplitLogProb", "split_log_prob", "split_log_probs", "is_delta"]
 
 
 class SplitLogProb(NamedTuple):
@@ -75,60 +75,101 @@ class SplitLogProb(NamedTuple):
 
 
 class _Pathwise(torch.autograd.Function):
-    """Identity in value; backward is the vector-Jacobian product of ``lp`` taken lazily.
+    """For ``m`` split sites at once: outputs ``log_prob_j, pathwise_j`` equal to ``lp_j``.
 
-    ``lp`` (the one evaluated log-density, at the detached leaf ``v``) is passed as
-    an input so that the outer backward never frees its graph before this node has
-    used it. With ``through_score`` the node is the full ``log_prob``: it sends
-    ``grad_out * d lp / dv`` to ``value`` and ``grad_out`` on to ``lp`` (whose graph
-    reaches the parameters). Otherwise it is the ``pathwise`` part: it sends the
-    VJP to ``value`` and to the ``upstream`` tensors only, nothing to ``lp``.
+    Each ``lp_j`` is the one evaluated log-density of site ``j``, at the detached leaf
+    ``v_j``; the ``lp_j`` are inputs too, so that the outer backward never frees their
+    graphs before this node has used them. Backward takes the vector-Jacobian
+    products through those graphs lazily, in one ``autograd.grad`` call for all sites
+    (each such call is a re-entrant engine run, so batching them matters):
+
+    * ``log_prob_j``'s gradient ``g`` goes to ``value_j`` (as ``g * d lp_j / dv_j``)
+      and on to ``lp_j`` (whose graph reaches the parameters);
+    * ``pathwise_j``'s gradient ``h`` goes to ``value_j`` and to site ``j``'s upstream
+      tensors only (as ``h * d lp_j / d(v_j, upstream_j)``), nothing to ``lp_j``.
     """
 
     @staticmethod
-    def forward(ctx, through_score, graph, value, lp, *upstream):  # type: ignore[override]
-        ctx.lp, ctx.v, ctx.up = graph  # the tensors with their graph (forward sees detached inputs)
-        ctx.through_score = through_score
-        return lp.detach().clone()
+    def forward(ctx, meta, *tensors):  # type: ignore[override]
+        # meta: (lps, vs, ups_per_site, unique_ups) with their graphs (forward sees detached inputs)
+        ctx.meta = meta
+        ctx.set_materialize_grads(False)
+        m = len(meta[0])
+        outs = []
+        for lp in tensors[m : 2 * m]:
+            d = lp.detach()
+            outs += [d.clone(), d.clone()]
+        return tuple(outs)
 
     @staticmethod
-    def backward(ctx, grad_out):  # type: ignore[override]
-        with_v = ctx.v.requires_grad
-        up = [] if ctx.through_score else list(ctx.up)
-        grads = torch.autograd.grad(
-            ctx.lp,
-            ([ctx.v] if with_v else []) + up,
-            grad_out,
-            retain_graph=True,
-            create_graph=torch.is_grad_enabled(),
-            allow_unused=True,
-        )
-        g_v = grads[0] if with_v else None
-        if with_v and g_v is None:
-            g_v = torch.zeros_like(ctx.v)
-        g_up = tuple(grads[1:] if with_v else grads)
-        if ctx.through_score:
-            return (None, None, g_v, grad_out) + (None,) * len(ctx.up)
-        return (None, None, g_v, None) + g_up
+    def backward(ctx, *grads):  # type: ignore[override]
+        lps, vs, ups_per_site, unique_ups = ctx.meta
+        m = len(lps)
+        create = torch.is_grad_enabled()
+        g_vs: list = [None] * m
+        g_ups: dict[int, torch.Tensor] = {}
+        outputs, seeds, inputs, slots = [], [], [], []  # one re-entrant call for (nearly) all
+        for j in range(m):
+            g_full, g_path = grads[2 * j], grads[2 * j + 1]
+            seed = g_path
+            if g_full is not None and not (g_path is not None and ups_per_site[j]):
+                seed = g_full if seed is None else seed + g_full
+            elif g_full is not None and vs[j].requires_grad:
+                # log_prob's seed must not reach the upstream tensors: its own product
+                (g,) = torch.autograd.grad(
+                    lps[j], [vs[j]], g_full, retain_graph=True, create_graph=create, allow_unused=True
+                )
+                g_vs[j] = g
+            if seed is None:
+                continue
+            outputs.append(lps[j])
+            seeds.append(seed)
+            if vs[j].requires_grad:
+                inputs.append(vs[j])
+                slots.append(("v", j))
+            if g_path is not None:
+                for k in ups_per_site[j]:
+                    if ("u", k) not in slots:
+                        inputs.append(unique_ups[k])
+                        slots.append(("u", k))
+        if inputs:
+            out = torch.autograd.grad(
+                outputs, inputs, seeds, retain_graph=True, create_graph=create, allow_unused=True
+            )
+            for (kind, j), g in zip(slots, out):
+                if kind == "v":
+                    g_vs[j] = g if g_vs[j] is None or g is None else g_vs[j] + g
+                else:
+                    g_ups[j] = g
+        g_lps = [grads[2 * j] for j in range(m)]
+        return (None, *g_vs, *g_lps, *(g_ups.get(k) for k in range(len(unique_ups))))
 
 
 def _reached(tensor: torch.Tensor, candidates: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """The ``candidates`` whose autograd node lies on ``tensor``'s graph (searched up to them)."""
-    targets = {c.grad_fn: i for i, c in enumerate(candidates) if c.grad_fn is not None}
-    if not targets or tensor.grad_fn is None:
+    root = tensor.grad_fn
+    if root is None:
         return []
-    hit: set[int] = set()
-    seen = set()
-    stack = [tensor.grad_fn]
+    targets = {}
+    for i, c in enumerate(candidates):
+        node = c.grad_fn
+        if node is not None:
+            targets[node] = i
+    if not targets:
+        return []
+    hit = []
+    seen = {root}
+    stack = [root]
     while stack:
         node = stack.pop()
-        if node in seen:
+        i = targets.get(node)
+        if i is not None:
+            hit.append(i)
             continue
-        seen.add(node)
-        if node in targets:
-            hit.add(targets[node])
-            continue
-        stack.extend(f for f, _ in node.next_functions if f is not None and f not in seen)
+        for f, _ in node.next_functions:
+            if f is not None and f not in seen:
+                seen.add(f)
+                stack.append(f)
     return [candidates[i] for i in sorted(hit)]
 
 
@@ -183,28 +224,63 @@ def split_log_prob(
         in ``pathwise``.
     :raises TypeError: if ``fn`` is not a distribution or ``value`` not a tensor.
     """
-    if not isinstance(fn, Distribution):
-        raise TypeError(
-            f"split_log_prob expects a torch.distributions.Distribution, got {type(fn).__name__}"
-        )
-    if not torch.is_tensor(value):
-        raise TypeError(f"split_log_prob expects a tensor value, got {type(value).__name__}")
-    needs_path = value.requires_grad and torch.is_grad_enabled()
-    v = value.detach()
-    if needs_path:
-        v.requires_grad_(True)
-    score = fn.log_prob(v)
-    if not torch.is_grad_enabled():
-        return SplitLogProb(score, score, score)
-    up = _reached(score, list(upstream)) if upstream else []
-    if not score.requires_grad:  # e.g. a Delta whose log-density is a constant
-        return SplitLogProb(score, score, score)
-    if not needs_path and not up:
-        return SplitLogProb(score, score, score.detach())
-    graph = (score, v, up)
-    pathwise = _Pathwise.apply(False, graph, value, score, *up)
-    log_prob = _Pathwise.apply(True, graph, value, score, *up) if needs_path else score
-    return SplitLogProb(log_prob, score, pathwise)
+    return split_log_probs([(fn, value, upstream)])[0]
+
+
+def split_log_probs(
+    items: Sequence[tuple[Distribution, torch.Tensor, Sequence[torch.Tensor]]],
+) -> list[SplitLogProb]:
+    """:func:`split_log_prob` for several ``(fn, value, upstream)`` at once.
+
+    Same results; the backward of all pathwise parts is batched into one
+    vector-Jacobian product (one re-entrant autograd call instead of one per item),
+    which is what the ELBOs use for a whole guide trace.
+    """
+    results: list = [None] * len(items)
+    joint = []  # (index, value, score, v, reached upstream)
+    grad_mode = torch.is_grad_enabled()
+    for i, (fn, value, upstream) in enumerate(items):
+        if not isinstance(fn, Distribution):
+            raise TypeError(
+                f"split_log_prob expects a torch.distributions.Distribution, got {type(fn).__name__}"
+            )
+        if not torch.is_tensor(value):
+            raise TypeError(f"split_log_prob expects a tensor value, got {type(value).__name__}")
+        needs_path = value.requires_grad and grad_mode
+        v = value.detach()
+        if needs_path:
+            v.requires_grad_(True)
+        try:
+            score = fn.log_prob(v)
+        except ValueError as e:
+            e.split_index = i  # type: ignore[attr-defined]  # lets callers name the site
+            raise
+        if not grad_mode or not score.requires_grad:  # e.g. a Delta of constant log-density
+            results[i] = SplitLogProb(score, score, score)
+            continue
+        up = _reached(score, list(upstream)) if upstream else []
+        if not needs_path and not up:
+            results[i] = SplitLogProb(score, score, score.detach())
+            continue
+        joint.append((i, value, score, v, up))
+    if joint:
+        unique_ups: list[torch.Tensor] = []
+        ups_per_site = []
+        for *_, up in joint:
+            idx = []
+            for u in up:
+                k = next((n for n, w in enumerate(unique_ups) if w is u), None)
+                if k is None:
+                    k = len(unique_ups)
+                    unique_ups.append(u)
+                idx.append(k)
+            ups_per_site.append(idx)
+        lps = [j[2] for j in joint]
+        meta = (lps, [j[3] for j in joint], ups_per_site, unique_ups)
+        outs = _Pathwise.apply(meta, *(j[1] for j in joint), *lps, *unique_ups)
+        for n, (i, _, score, _, _) in enumerate(joint):
+            results[i] = SplitLogProb(outs[2 * n], score, outs[2 * n + 1])
+    return results
 
 
 def is_delta(fn: Distribution) -> bool:

@@ -18,19 +18,22 @@ from pyro.infer.util import is_validation_enabled
 from pyro.poutine.util import prune_subsample_sites
 from pyro.util import check_model_guide_match, check_site_shape
 
-from ..distributions.split import is_delta, split_log_prob
+from ..distributions.split import is_delta, split_log_probs
 from ..poutine.gated_distribution import unwrap_gates
 
 
-def _check_finite(site, role: str) -> None:
-    lp = site["log_prob_sum"]
-    if torch.isnan(lp).any():
-        raise ValueError(
-            f"NaN log-density at {role} site '{site['name']}' "
-            f"(distribution {type(site['fn']).__name__}). Check the site's parameters "
-            "(e.g. a scale that is not positive) and its value; use constrained params "
-            "(pyro.param(..., constraint=...)) for parameters with a restricted domain."
-        )
+def _check_finite(trace: poutine.Trace, role: str) -> None:
+    """Raise, naming the site, if a log-density in ``trace`` is NaN (one check when none is)."""
+    sites = [s for s in trace.nodes.values() if s["type"] == "sample"]
+    if not sites or not torch.isnan(sum(s["log_prob_sum"] for s in sites)):
+        return
+    site = next(s for s in sites if torch.isnan(s["log_prob_sum"]))
+    raise ValueError(
+        f"NaN log-density at {role} site '{site['name']}' "
+        f"(distribution {type(site['fn']).__name__}). Check the site's parameters "
+        "(e.g. a scale that is not positive) and its value; use constrained params "
+        "(pyro.param(..., constraint=...)) for parameters with a restricted domain."
+    )
 
 
 def compute_split_log_prob(trace: poutine.Trace) -> None:
@@ -43,19 +46,21 @@ def compute_split_log_prob(trace: poutine.Trace) -> None:
     ``(log_prob, 0, log_prob)``, others ``(log_prob, score, 0)`` (the score-function
     part is neither scaled nor masked, as in Pyro).
     """
-    random_values = []  # earlier reparameterized, non-Delta samples: a later site's upstream
-    for site in trace.nodes.values():
-        if site["type"] != "sample" or "split" in site:
-            continue
-        try:
-            parts = split_log_prob(site["fn"], site["value"], upstream=random_values)
-        except ValueError as e:
-            raise ValueError(
-                f"Error while computing log_prob at site '{site['name']}':\n{e}\n"
-                f"{trace.format_shapes(last_site=site['name'])}"
-            ) from e
+    sites = [s for s in trace.nodes.values() if s["type"] == "sample" and "split" not in s]
+    items, random_values = [], []  # earlier reparameterized, non-Delta samples: a later site's upstream
+    for site in sites:
+        items.append((site["fn"], site["value"], list(random_values)))
         if site["value"].requires_grad and not is_delta(site["fn"]):
             random_values.append(site["value"])
+    try:
+        all_parts = split_log_probs(items)
+    except ValueError as e:
+        name = sites[getattr(e, "split_index", 0)]["name"]
+        raise ValueError(
+            f"Error while computing log_prob at site '{name}':\n{e}\n"
+            f"{trace.format_shapes(last_site=name)}"
+        ) from e
+    for site, parts in zip(sites, all_parts):
         site["unscaled_log_prob"] = parts.log_prob
         scaled = parts.scale_and_mask(site["scale"], site["mask"])
         site["split"] = scaled
@@ -98,15 +103,12 @@ def get_split_importance_trace(max_plate_nesting, model, guide, args, kwargs, re
     unwrap_gates(guide_trace)
     compute_split_log_prob(guide_trace)  # the guide first: a NaN there is named as such
     if validate:
-        for site in guide_trace.nodes.values():
-            if site["type"] == "sample":
-                _check_finite(site, "guide")
+        _check_finite(guide_trace, "guide")
     model_trace.compute_log_prob()
     if validate:
-        for role, trace in (("model", model_trace), ("guide", guide_trace)):
+        _check_finite(model_trace, "model")
+        for trace in (model_trace, guide_trace):
             for site in trace.nodes.values():
                 if site["type"] == "sample":
                     check_site_shape(site, max_plate_nesting)
-                    if role == "model":
-                        _check_finite(site, role)
     return model_trace, guide_trace
