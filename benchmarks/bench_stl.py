@@ -116,7 +116,12 @@ def main(argv=None):
     pyro.set_rng_seed(0)
     rounds = 20 if args.quick else 200
     rows = []
-    for name, fn in (("digits VAE (batch 256)", bench_vae), ("hierarchical, AutoNormal (J=200)", bench_hierarchical)):
+    cases = (
+        ("digits VAE (batch 256)", bench_vae),
+        ("hierarchical, AutoNormal (J=200)", lambda r: bench_hierarchical(r, J=200)),
+        ("hierarchical, AutoNormal (J=5000)", lambda r: bench_hierarchical(r, J=5000)),
+    )
+    for name, fn in cases:
         t, m = fn(rounds)
         rows.append(
             (

@@ -1,5 +1,5 @@
 """Log-density terms: a site's log-density split once into ordinary, score and pathwise parts."""
 
-from .split import SplitLogProb, is_delta, split_log_prob
+from .split import SplitLogProb, is_delta, split_log_prob, split_log_probs
 
-__all__ = ["SplitLogProb", "is_delta", "split_log_prob"]
+__all__ = ["SplitLogProb", "is_delta", "split_log_prob", "split_log_probs"]

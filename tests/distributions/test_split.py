@@ -220,3 +220,32 @@ def test_upstream_path_is_kept_in_pathwise():
     # score keeps fn's whole graph (z1 included) with the sample stopped
     ref_score = dist.Normal(c * z1, s2).log_prob(z2.detach())
     _assert_close(_grads(parts.score.sum(), params), _grads(ref_score.sum(), params))
+
+
+def test_batched_split_equals_one_at_a_time():
+    from pyro_gradroute.distributions import split_log_probs
+
+    a = torch.tensor(0.4, requires_grad=True)
+    s = torch.tensor(0.8, requires_grad=True)
+    q1 = dist.Normal(a, s)
+    z1 = q1.rsample([3])
+    q2 = dist.Normal(2 * z1, s)
+    z2 = q2.rsample()
+    q3 = dist.Gamma(s.exp(), 1.0)
+    z3 = q3.rsample([2])
+    items = [(q1, z1, []), (q2, z2, [z1]), (q3, z3, [z1, z2])]
+    batched = split_log_probs(items)
+    single = [split_log_prob(*it) for it in items]
+    w = [torch.randn(3), torch.randn(3), torch.randn(2)]
+    for part in range(3):
+        yb = sum((wi * b[part]).sum() for wi, b in zip(w, batched))
+        ys = sum((wi * o[part]).sum() for wi, o in zip(w, single))
+        _assert_close(_grads(yb, {"a": a, "s": s}), _grads(ys, {"a": a, "s": s}))
+    # mixed: log_prob of one site and pathwise of another, in one backward
+    yb = (w[0] * batched[0].log_prob).sum() + (w[1] * batched[1].pathwise).sum()
+    ys = (w[0] * single[0].log_prob).sum() + (w[1] * single[1].pathwise).sum()
+    _assert_close(_grads(yb, {"a": a, "s": s}), _grads(ys, {"a": a, "s": s}))
+    # both parts of a site with an upstream path, in one backward
+    yb = (w[1] * batched[1].log_prob).sum() + (w[1] * batched[1].pathwise).sum()
+    ys = (w[1] * single[1].log_prob).sum() + (w[1] * single[1].pathwise).sum()
+    _assert_close(_grads(yb, {"a": a, "s": s}), _grads(ys, {"a": a, "s": s}))
