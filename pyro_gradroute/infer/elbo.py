@@ -53,8 +53,14 @@ class RoutedELBO(ELBO):
     def _particle_divisor(self) -> int:
         return self.num_particles
 
+    def _needs_split(self, site) -> bool:
+        """Whether the estimator uses the split parts of this guide site (else one plain evaluation)."""
+        return True
+
     def _get_trace(self, model, guide, args, kwargs):
-        return get_split_importance_trace(self.max_plate_nesting, model, guide, args, kwargs)
+        return get_split_importance_trace(
+            self.max_plate_nesting, model, guide, args, kwargs, needs_split=self._needs_split
+        )
 
     def _particle_terms(self, model_trace, guide_trace) -> tuple[float, Terms]:
         raise NotImplementedError
@@ -100,7 +106,9 @@ class RoutedELBO(ELBO):
         loss = 0.0
         for elbo, terms, blocks in self._iter_particles(model, guide, args, kwargs):
             loss -= elbo
-            if terms:
+            if terms and not blocks:  # no routes: one plain backward of the whole surrogate
+                (-sum(terms.values())).backward(retain_graph=self.retain_graph)
+            elif terms:
                 routing.backward(
                     {k: -v for k, v in terms.items()},
                     block=blocks,

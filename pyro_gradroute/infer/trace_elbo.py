@@ -41,6 +41,9 @@ class Trace_ELBO(RoutedELBO):
         >>> loss = svi.step(torch.randn(10))
     """
 
+    def _needs_split(self, site) -> bool:
+        return False  # only the ordinary log-density: evaluated as Pyro does
+
     def _entropy_term(self, site):
         """The guide site's term whose gradient is taken pathwise (reparameterized sites)."""
         return site["score_parts"].entropy_term

@@ -51,8 +51,11 @@ class TraceSTL_ELBO(Trace_ELBO):
         >>> loss = svi.step(torch.randn(10))
     """
 
-    def _entropy_term(self, site):
-        entropy_term = site["score_parts"].entropy_term
+    def _needs_split(self, site) -> bool:
+        return self._uses_pathwise(site)
+
+    @staticmethod
+    def _uses_pathwise(site) -> bool:
         stl = site["infer"].get("stl", None)
         has_rsample = getattr(site["fn"], "has_rsample", False)
         if stl is True and not has_rsample:
@@ -62,6 +65,9 @@ class TraceSTL_ELBO(Trace_ELBO):
                 "pathwise gradient. Use a reparameterizable family or remove the mark "
                 "(non-reparameterized sites get the score-function estimator)."
             )
-        if stl is False or not has_rsample or is_delta(site["fn"]):
-            return entropy_term
-        return site["split"].pathwise
+        return not (stl is False or not has_rsample or is_delta(site["fn"]))
+
+    def _entropy_term(self, site):
+        if self._uses_pathwise(site):
+            return site["split"].pathwise
+        return site["score_parts"].entropy_term

@@ -18,7 +18,7 @@ from pyro.infer.util import is_validation_enabled
 from pyro.poutine.util import prune_subsample_sites
 from pyro.util import check_model_guide_match, check_site_shape
 
-from ..distributions.split import is_delta, split_log_probs
+from ..distributions.split import SplitLogProb, is_delta, split_log_probs
 from ..poutine.gated_distribution import unwrap_gates
 
 
@@ -36,12 +36,26 @@ def _check_finite(trace: poutine.Trace, role: str) -> None:
     )
 
 
-def compute_split_log_prob(trace: poutine.Trace) -> None:
+def trace_log_prob(trace: poutine.Trace, site) -> torch.Tensor:
+    """``site["fn"].log_prob(site["value"])``, with Pyro's error message naming the site."""
+    try:
+        return site["fn"].log_prob(site["value"], *site["args"], **site["kwargs"])
+    except ValueError as e:
+        raise ValueError(
+            f"Error while computing log_prob at site '{site['name']}':\n{e}\n"
+            f"{trace.format_shapes(last_site=site['name'])}"
+        ) from e
+
+
+def compute_split_log_prob(trace: poutine.Trace, needs_split=None) -> None:
     """Fill ``split``, ``log_prob``, ``log_prob_sum`` and ``score_parts`` of every sample site.
 
     ``split.pathwise`` keeps the path through earlier reparameterized samples that the
     site's distribution depends on (``log q(z_2 | z_1; stop(phi))`` for a conditional
     guide), so pathwise-only estimators stay unbiased for structured guides.
+    ``needs_split(site) -> bool`` (default: every site) picks the sites whose parts the
+    estimator uses; the others get one ordinary evaluation (``site["split"]`` then holds
+    ``log_prob`` three times).
     ``score_parts`` follows Pyro's convention: reparameterized sites get
     ``(log_prob, 0, log_prob)``, others ``(log_prob, score, 0)`` (the score-function
     part is neither scaled nor masked, as in Pyro).
@@ -49,18 +63,25 @@ def compute_split_log_prob(trace: poutine.Trace) -> None:
     sites = [s for s in trace.nodes.values() if s["type"] == "sample" and "split" not in s]
     items, random_values = [], []  # earlier reparameterized, non-Delta samples: a later site's upstream
     for site in sites:
-        items.append((site["fn"], site["value"], list(random_values)))
+        if needs_split is None or needs_split(site):
+            items.append((site["fn"], site["value"], list(random_values)))
         if site["value"].requires_grad and not is_delta(site["fn"]):
             random_values.append(site["value"])
+    split_sites = [s for s in sites if needs_split is None or needs_split(s)]
     try:
-        all_parts = split_log_probs(items)
+        all_parts = iter(split_log_probs(items))
     except ValueError as e:
-        name = sites[getattr(e, "split_index", 0)]["name"]
+        name = split_sites[getattr(e, "split_index", 0)]["name"]
         raise ValueError(
             f"Error while computing log_prob at site '{name}':\n{e}\n"
             f"{trace.format_shapes(last_site=name)}"
         ) from e
-    for site, parts in zip(sites, all_parts):
+    for site in sites:
+        if needs_split is None or needs_split(site):
+            parts = next(all_parts)
+        else:  # an ordinary evaluation, as Pyro's: the estimator uses no split part here
+            lp = trace_log_prob(trace, site)
+            parts = SplitLogProb(lp, lp, lp)
         site["unscaled_log_prob"] = parts.log_prob
         scaled = parts.scale_and_mask(site["scale"], site["mask"])
         site["split"] = scaled
@@ -72,12 +93,16 @@ def compute_split_log_prob(trace: poutine.Trace) -> None:
             site["score_parts"] = ScoreParts(scaled.log_prob, parts.score, 0)
 
 
-def get_split_importance_trace(max_plate_nesting, model, guide, args, kwargs, replay_values=None):
+def get_split_importance_trace(
+    max_plate_nesting, model, guide, args, kwargs, replay_values=None, needs_split=None
+):
     """Run the guide once and the model once against it; split the guide's log-densities.
 
     :param replay_values: optional ``guide_trace -> trace`` giving the trace whose values
         the model replays (for instance with gradient-scaling gates on the values, as
         :class:`~pyro_gradroute.infer.TraceDReG_ELBO` needs); default the guide trace.
+    :param needs_split: optional ``site -> bool``: the guide sites whose split parts the
+        estimator uses (see :func:`compute_split_log_prob`).
     :returns: ``(model_trace, guide_trace)`` with log-probabilities computed.
     """
     unwrapped_guide = poutine.unwrap(guide)
@@ -101,7 +126,7 @@ def get_split_importance_trace(max_plate_nesting, model, guide, args, kwargs, re
     model_trace = prune_subsample_sites(model_trace)
     unwrap_gates(model_trace)  # block_grad routes go to the routing engine, not the gates
     unwrap_gates(guide_trace)
-    compute_split_log_prob(guide_trace)  # the guide first: a NaN there is named as such
+    compute_split_log_prob(guide_trace, needs_split)  # the guide first: a NaN there is named as such
     if validate:
         _check_finite(guide_trace, "guide")
     model_trace.compute_log_prob()
