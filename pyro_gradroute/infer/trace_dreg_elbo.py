@@ -76,17 +76,20 @@ class TraceDReG_ELBO(RoutedELBO):
     Example::
 
         >>> import torch, pyro, pyro.distributions as dist
-        >>> from pyro.infer import SVI
-        >>> from pyro.infer.autoguide import AutoNormal
         >>> from pyro_gradroute.infer import TraceDReG_ELBO
-        >>> def model(x):
-        ...     mu = pyro.sample("mu", dist.Normal(0.0, 1.0))
+        >>> def model(x):  # a local latent per data point: one IWAE bound per point
         ...     with pyro.plate("data", len(x)):
-        ...         pyro.sample("x", dist.Normal(mu, 1.0), obs=x)
+        ...         z = pyro.sample("z", dist.Normal(0.0, 1.0))
+        ...         pyro.sample("x", dist.Normal(z, 0.5), obs=x)
+        >>> def guide(x):
+        ...     w = pyro.param("w", torch.tensor(0.5))
+        ...     with pyro.plate("data", len(x)):
+        ...         pyro.sample("z", dist.Normal(w * x, 0.6))
         >>> pyro.clear_param_store()
-        >>> svi = SVI(model, AutoNormal(model), pyro.optim.Adam({"lr": 0.05}),
-        ...           TraceDReG_ELBO(num_particles=16))
-        >>> loss = svi.step(torch.randn(10))
+        >>> elbo = TraceDReG_ELBO(num_particles=16)
+        >>> loss = elbo.loss_and_grads(model, guide, torch.randn(10))
+        >>> pyro.get_param_store()._params["w"].grad is not None
+        True
 
     :param num_particles: :math:`K`.
     :param vectorize_particles: must be ``True`` when ``num_particles > 1`` (the
@@ -206,16 +209,16 @@ class ReweightedWakeSleepDReG(TraceDReG_ELBO):
 
         >>> import torch, pyro, pyro.distributions as dist
         >>> from pyro.infer import SVI
-        >>> from pyro.infer.autoguide import AutoNormal
+        >>> from pyro.infer.autoguide import AutoDiagonalNormal
         >>> from pyro_gradroute.infer import ReweightedWakeSleepDReG
-        >>> def model(x):
-        ...     mu = pyro.sample("mu", dist.Normal(0.0, 1.0))
-        ...     with pyro.plate("data", len(x)):
-        ...         pyro.sample("x", dist.Normal(mu, 1.0), obs=x)
+        >>> def model(y):
+        ...     rate = pyro.sample("rate", dist.Gamma(2.0, 1.0))
+        ...     with pyro.plate("obs", len(y)):
+        ...         pyro.sample("y", dist.Poisson(rate), obs=y)
         >>> pyro.clear_param_store()
-        >>> svi = SVI(model, AutoNormal(model), pyro.optim.Adam({"lr": 0.05}),
+        >>> svi = SVI(model, AutoDiagonalNormal(model), pyro.optim.Adam({"lr": 0.05}),
         ...           ReweightedWakeSleepDReG(num_particles=8))
-        >>> loss = svi.step(torch.randn(10))
+        >>> loss = svi.step(torch.tensor([3.0, 1.0, 4.0]))
     """
 
     def __init__(self, num_particles: int = 2, vectorize_particles: bool = True, **kwargs):
