@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pyro_gradroute.diagnostics import PSISResult, pareto_khat, psis_khat
-from tests.guides.conjugate import fit, poisson_gamma
+from tests.conjugate import fit, poisson_gamma
 
 from .models import fixed_normal_guide, gaussian, gaussian_posterior
 

@@ -10,8 +10,7 @@ from torch.distributions import constraints
 
 from pyro_gradroute.guides import AutoMeanField
 from pyro_gradroute.infer import TraceSTL_ELBO
-
-from .conjugate import ALL, fit, poisson_gamma, relative_errors
+from tests.conjugate import ALL, fit, poisson_gamma, relative_errors
 
 
 @pytest.mark.parametrize("estimator", ["Trace_ELBO", "TraceSTL_ELBO"])
