@@ -6,6 +6,7 @@ from collections.abc import Callable, Iterable
 from types import TracebackType
 
 from pyro.poutine.messenger import Messenger
+from pyro.poutine.subsample_messenger import _Subsample
 
 from .gated_distribution import GatedDistribution
 from .resolve import BlockSpec, ModuleSpec, ParamSpec
@@ -108,8 +109,21 @@ class BlockGradMessenger(Messenger):
     def _process_message(self, msg) -> None:
         if msg["type"] != "sample":
             return
-        self._seen.append(msg["name"])
-        if msg["name"] not in self.spec.sites:
+        name = msg["name"]
+        if isinstance(msg["fn"], _Subsample):  # a plate's subsample site, not a term
+            if name in self.spec.sites:
+                raise ValueError(
+                    f"block_grad: '{name}' is a plate, not a sample or factor site. Name the "
+                    "sample/factor sites inside the plate whose terms are to be blocked."
+                )
+            return
+        self._seen.append(name)
+        # pyro.sample(..., obs_mask=...) splits site "x" into sample sites "x_observed" and
+        # "x_unobserved" (plus a deterministic "x"): all of them are site "x"'s terms
+        for suffix in ("_observed", "_unobserved"):
+            if name.endswith(suffix) and name[: -len(suffix)] in self.spec.sites:
+                name = name[: -len(suffix)]
+        if name not in self.spec.sites:
             return
         # The gated fn is the mark (not msg["infer"]: replay copies a guide site's infer
         # dict onto the model site, which would leak the route into the model's term).
