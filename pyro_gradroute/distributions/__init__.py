@@ -1,5 +1,11 @@
 """Log-density terms: a site's log-density split once into ordinary, score and pathwise parts."""
 
-from .split import SplitLogProb, is_delta, split_log_prob, split_log_probs
+from .split import SplitLogProb, SplitNotSupported, is_delta, split_log_prob, split_log_probs
 
-__all__ = ["SplitLogProb", "is_delta", "split_log_prob", "split_log_probs"]
+__all__ = [
+    "SplitLogProb",
+    "SplitNotSupported",
+    "is_delta",
+    "split_log_prob",
+    "split_log_probs",
+]

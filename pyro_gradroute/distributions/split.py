@@ -36,7 +36,12 @@ Families that need care (all handled, one evaluation each):
   inverse. This is what makes the score part correct (the cached inverse would
   silently drop ``d T^{-1}(z; phi) / dphi``). For autoregressive flows such as
   :class:`~pyro.distributions.transforms.AffineAutoregressive` the inverse costs
-  one network pass per dimension.
+  one network pass per dimension. Transforms without an inverse (Planar, Radial,
+  Sylvester, BlockNeuralAutoregressive) cannot be split: :class:`SplitNotSupported`
+  (a ``NotImplementedError``) says so. ``TraceSTL_ELBO`` then falls back to the
+  ordinary gradient for that site, with a warning; ``TraceDReG_ELBO`` raises.
+  Numerical inverses (splines) make the three parts equal to ``log_prob`` at the
+  cached sample only up to the inverse's round-off (~1e-6 relative in float32).
 * :class:`~pyro.distributions.Delta` (and ``Delta`` wrapped in ``Independent``,
   ``expand`` or ``mask``): its "parameters" are functions of the sample itself
   (an AutoContinuous guide's ``Delta`` carries the Jacobian term as
@@ -52,7 +57,7 @@ from typing import NamedTuple
 import torch
 from torch.distributions import Distribution, Independent
 
-__all__ = ["SplitLogProb", "split_log_prob", "split_log_probs", "is_delta"]
+__all__ = ["SplitLogProb", "SplitNotSupported", "split_log_prob", "split_log_probs", "is_delta"]
 
 
 class SplitLogProb(NamedTuple):
@@ -143,6 +148,10 @@ class _Pathwise(torch.autograd.Function):
                     g_ups[j] = g
         g_lps = [grads[2 * j] for j in range(m)]
         return (None, *g_vs, *g_lps, *(g_ups.get(k) for k in range(len(unique_ups))))
+
+
+class SplitNotSupported(NotImplementedError):
+    """The distribution's log-density cannot be evaluated at a fixed (detached) sample."""
 
 
 def _reached(tensor: torch.Tensor, candidates: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -255,6 +264,19 @@ def split_log_probs(
         except ValueError as e:
             e.split_index = i  # type: ignore[attr-defined]  # lets callers name the site
             raise
+        except (NotImplementedError, KeyError) as e:
+            err = SplitNotSupported(
+                f"{type(fn).__name__}.log_prob cannot be evaluated at a fixed sample "
+                f"({type(e).__name__}: {e}). The score/pathwise split needs log q(z; phi) at "
+                "a sample held fixed, which for a TransformedDistribution means running its "
+                "transforms' inverse (the transform cache only knows the sample it produced); "
+                "transforms without an inverse (Planar, Radial, Sylvester, "
+                "BlockNeuralAutoregressive, ...) cannot be split. Use invertible transforms "
+                "(affine_autoregressive, spline, spline_autoregressive, ...) or an estimator "
+                "that does not split this site (Trace_ELBO)."
+            )
+            err.split_index = i  # type: ignore[attr-defined]
+            raise err from e
         if not grad_mode or not score.requires_grad:  # e.g. a Delta of constant log-density
             results[i] = SplitLogProb(score, score, score)
             continue

@@ -57,9 +57,19 @@ class RoutedELBO(ELBO):
         """Whether the estimator uses the split parts of this guide site (else one plain evaluation)."""
         return True
 
+    def _split_fallback(self, site, error) -> bool:
+        """Whether a site that cannot be split may use its ordinary gradient instead."""
+        return False
+
     def _get_trace(self, model, guide, args, kwargs):
         return get_split_importance_trace(
-            self.max_plate_nesting, model, guide, args, kwargs, needs_split=self._needs_split
+            self.max_plate_nesting,
+            model,
+            guide,
+            args,
+            kwargs,
+            needs_split=self._needs_split,
+            fallback=self._split_fallback,
         )
 
     def _particle_terms(self, model_trace, guide_trace) -> tuple[float, Terms]:

@@ -141,7 +141,7 @@ class TraceDReG_ELBO(RoutedELBO):
             args,
             kwargs,
             replay_values=gated if self.num_particles > 1 else None,
-        )
+        )  # every site split; one that cannot be split raises (DReG needs its pathwise part)
         guide_trace._gradroute_weights = weights
         return model_trace, guide_trace
 

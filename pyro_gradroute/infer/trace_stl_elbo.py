@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 from ..distributions.split import is_delta
 from .trace_elbo import Trace_ELBO
 
@@ -32,6 +34,8 @@ class TraceSTL_ELBO(Trace_ELBO):
     * non-reparameterized guide sites keep the score-function treatment of ``Trace_ELBO``;
     * ``Delta`` sites (AutoDelta, and the Jacobian-carrying site of AutoContinuous
       guides) keep their full gradient: their log-density depends on the sample only;
+    * a site whose distribution cannot be split (a flow without an inverse, e.g.
+      Planar) gets the ordinary gradient, with a warning naming it;
     * ``infer={"stl": False}`` on a guide site restores the ordinary gradient there;
       ``infer={"stl": True}`` on a site without ``rsample`` is an error.
 
@@ -53,6 +57,16 @@ class TraceSTL_ELBO(Trace_ELBO):
 
     def _needs_split(self, site) -> bool:
         return self._uses_pathwise(site)
+
+    def _split_fallback(self, site, error) -> bool:
+        warnings.warn(
+            f"TraceSTL_ELBO: guide site '{site['name']}' cannot be split into score and "
+            f"pathwise parts ({error}); it gets the ordinary Trace_ELBO gradient instead "
+            "(unbiased, but not sticking the landing). Mark it infer={'stl': False} to "
+            "silence this.",
+            stacklevel=2,
+        )
+        return True
 
     @staticmethod
     def _uses_pathwise(site) -> bool:

@@ -18,7 +18,7 @@ from pyro.infer.util import is_validation_enabled
 from pyro.poutine.util import prune_subsample_sites
 from pyro.util import check_model_guide_match, check_site_shape
 
-from ..distributions.split import SplitLogProb, is_delta, split_log_probs
+from ..distributions.split import SplitLogProb, SplitNotSupported, is_delta, split_log_probs
 from ..poutine.gated_distribution import unwrap_gates
 
 
@@ -47,7 +47,7 @@ def trace_log_prob(trace: poutine.Trace, site) -> torch.Tensor:
         ) from e
 
 
-def compute_split_log_prob(trace: poutine.Trace, needs_split=None) -> None:
+def compute_split_log_prob(trace: poutine.Trace, needs_split=None, fallback=None) -> None:
     """Fill ``split``, ``log_prob``, ``log_prob_sum`` and ``score_parts`` of every sample site.
 
     ``split.pathwise`` keeps the path through earlier reparameterized samples that the
@@ -55,30 +55,40 @@ def compute_split_log_prob(trace: poutine.Trace, needs_split=None) -> None:
     guide), so pathwise-only estimators stay unbiased for structured guides.
     ``needs_split(site) -> bool`` (default: every site) picks the sites whose parts the
     estimator uses; the others get one ordinary evaluation (``site["split"]`` then holds
-    ``log_prob`` three times).
+    ``log_prob`` three times). ``fallback(site, error) -> bool`` decides what happens
+    when a site's distribution cannot be split (:class:`SplitNotSupported`, e.g. a flow
+    without an inverse): ``True`` evaluates it the ordinary way instead, otherwise the
+    error is raised, naming the site.
     ``score_parts`` follows Pyro's convention: reparameterized sites get
     ``(log_prob, 0, log_prob)``, others ``(log_prob, score, 0)`` (the score-function
     part is neither scaled nor masked, as in Pyro).
     """
     sites = [s for s in trace.nodes.values() if s["type"] == "sample" and "split" not in s]
-    items, random_values = [], []  # earlier reparameterized, non-Delta samples: a later site's upstream
+    upstream, random_values = {}, []  # earlier reparameterized, non-Delta samples
     for site in sites:
-        if needs_split is None or needs_split(site):
-            items.append((site["fn"], site["value"], list(random_values)))
+        upstream[site["name"]] = list(random_values)
         if site["value"].requires_grad and not is_delta(site["fn"]):
             random_values.append(site["value"])
     split_sites = [s for s in sites if needs_split is None or needs_split(s)]
-    try:
-        all_parts = iter(split_log_probs(items))
-    except ValueError as e:
-        name = split_sites[getattr(e, "split_index", 0)]["name"]
-        raise ValueError(
-            f"Error while computing log_prob at site '{name}':\n{e}\n"
-            f"{trace.format_shapes(last_site=name)}"
-        ) from e
+    while True:
+        try:
+            all_parts = split_log_probs([(s["fn"], s["value"], upstream[s["name"]]) for s in split_sites])
+            break
+        except ValueError as e:
+            name = split_sites[getattr(e, "split_index", 0)]["name"]
+            raise ValueError(
+                f"Error while computing log_prob at site '{name}':\n{e}\n"
+                f"{trace.format_shapes(last_site=name)}"
+            ) from e
+        except SplitNotSupported as e:
+            site = split_sites[e.split_index]  # type: ignore[attr-defined]
+            if fallback is None or not fallback(site, e):
+                raise SplitNotSupported(f"Guide site '{site['name']}': {e}") from e
+            split_sites.remove(site)
+    split_parts = {s["name"]: p for s, p in zip(split_sites, all_parts)}
     for site in sites:
-        if needs_split is None or needs_split(site):
-            parts = next(all_parts)
+        if site["name"] in split_parts:
+            parts = split_parts[site["name"]]
         else:  # an ordinary evaluation, as Pyro's: the estimator uses no split part here
             lp = trace_log_prob(trace, site)
             parts = SplitLogProb(lp, lp, lp)
@@ -94,7 +104,7 @@ def compute_split_log_prob(trace: poutine.Trace, needs_split=None) -> None:
 
 
 def get_split_importance_trace(
-    max_plate_nesting, model, guide, args, kwargs, replay_values=None, needs_split=None
+    max_plate_nesting, model, guide, args, kwargs, replay_values=None, needs_split=None, fallback=None
 ):
     """Run the guide once and the model once against it; split the guide's log-densities.
 
@@ -102,7 +112,8 @@ def get_split_importance_trace(
         the model replays (for instance with gradient-scaling gates on the values, as
         :class:`~pyro_gradroute.infer.TraceDReG_ELBO` needs); default the guide trace.
     :param needs_split: optional ``site -> bool``: the guide sites whose split parts the
-        estimator uses (see :func:`compute_split_log_prob`).
+        estimator uses, and ``fallback(site, error) -> bool`` for sites that cannot be
+        split (see :func:`compute_split_log_prob`).
     :returns: ``(model_trace, guide_trace)`` with log-probabilities computed.
     """
     unwrapped_guide = poutine.unwrap(guide)
@@ -126,7 +137,7 @@ def get_split_importance_trace(
     model_trace = prune_subsample_sites(model_trace)
     unwrap_gates(model_trace)  # block_grad routes go to the routing engine, not the gates
     unwrap_gates(guide_trace)
-    compute_split_log_prob(guide_trace, needs_split)  # the guide first: a NaN there is named as such
+    compute_split_log_prob(guide_trace, needs_split, fallback)  # the guide first: a NaN there is named as such
     if validate:
         _check_finite(guide_trace, "guide")
     model_trace.compute_log_prob()

@@ -249,3 +249,12 @@ def test_batched_split_equals_one_at_a_time():
     yb = (w[1] * batched[1].log_prob).sum() + (w[1] * batched[1].pathwise).sum()
     ys = (w[1] * single[1].log_prob).sum() + (w[1] * single[1].pathwise).sum()
     _assert_close(_grads(yb, {"a": a, "s": s}), _grads(ys, {"a": a, "s": s}))
+
+
+def test_transform_without_inverse_is_a_clear_error():
+    from pyro_gradroute.distributions import SplitNotSupported
+
+    q = dist.TransformedDistribution(dist.Normal(torch.zeros(2), 1.0).to_event(1), [T.planar(2)])
+    z = q.rsample()
+    with pytest.raises(SplitNotSupported, match="without an inverse"):
+        split_log_prob(q, z)

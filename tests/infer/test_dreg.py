@@ -190,3 +190,15 @@ def test_svi_with_subsampling_and_autoguide():
     for _ in range(400):
         svi.step()
     assert abs(guide.median()["mu"].item() - data.mean().item()) < 0.3
+
+
+def test_flow_without_inverse_is_an_error_naming_the_site():
+    from pyro_gradroute.distributions import SplitNotSupported
+
+    m = LearnablePriorModel()
+    guide = ag.AutoNormalizingFlow(
+        m.model, lambda dim: pyro.distributions.transforms.iterated(2, pyro.distributions.transforms.planar, dim)
+    )
+    guide()
+    with pytest.raises(SplitNotSupported, match="Guide site '_AutoNormalizingFlow_latent'"):
+        TraceDReG_ELBO(num_particles=3).loss_and_grads(m.model, guide)

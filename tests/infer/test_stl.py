@@ -366,3 +366,20 @@ def test_svi_and_elbo_module():
     assert guide.locs.z.grad is not None or any(
         p.grad is not None for p in elbo_module.parameters()
     )
+
+
+def _planar_flow_setup():
+    gm = GaussianModel(D=2)
+    guide = ag.AutoNormalizingFlow(gm.model, lambda dim: pyro.distributions.transforms.iterated(2, pyro.distributions.transforms.planar, dim))
+    guide(gm.x)
+    return gm, guide
+
+
+def test_flow_without_inverse_falls_back_to_ordinary_gradient_with_a_warning():
+    gm, guide = _planar_flow_setup()
+    pyro.set_rng_seed(4)
+    ref = gradient_draws(PyroTrace_ELBO(), gm.model, guide, 2, gm.x)
+    pyro.set_rng_seed(4)
+    with pytest.warns(UserWarning, match="cannot be split.*ordinary Trace_ELBO gradient"):
+        ours = gradient_draws(TraceSTL_ELBO(), gm.model, guide, 2, gm.x)
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
