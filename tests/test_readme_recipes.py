@@ -25,3 +25,17 @@ def test_user_model_example_of_the_diagnostics_section(tmp_path, monkeypatch):
 
     problem = load_problem("my_model:problem")
     assert problem.heldout_args is not None and len(problem.args[0]) == 50
+
+
+def test_user_model_is_found_in_the_current_folder_like_the_console_script(tmp_path, monkeypatch):
+    """The console script's sys.path lacks the current folder; load_problem adds it."""
+    import os
+    import sys
+
+    (snippet,) = python_snippets("diagnostics", prefix="# my_model.py\n")
+    (tmp_path / "my_model_cwd.py").write_text(snippet)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", os.getcwd())])
+    from pyro_gradroute.models.registry import load_problem
+
+    assert load_problem("my_model_cwd:problem").args is not None

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -113,6 +115,8 @@ def _import_function(path: str) -> Callable:
             f"Model path {path!r} must look like 'module:function' (e.g. my_model:problem). "
             f"Bundled models: {_available()}"
         )
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # console scripts do not put the current folder there
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
