@@ -212,14 +212,19 @@ def format_table(results: Sequence[EstimatorResult]) -> str:
 
 def suggest(results: Sequence[EstimatorResult]) -> str:
     """One line naming the estimator with the best held-out log-likelihood (else the best
-    :math:`\\log p(x)` estimate) and its k-hat reading, with a hint when every guide is
-    unreliable."""
+    :math:`\\log p(x)` estimate, among the guides whose k-hat is not unreliable when there
+    are any) and its k-hat reading, with a hint when every guide is unreliable."""
     if not results:
         return ""
     have_heldout = all(r.heldout_ll is not None for r in results)
     key = (lambda r: r.heldout_ll) if have_heldout else (lambda r: r.log_px)
-    best = max(results, key=lambda r: (not math.isnan(key(r)), key(r)))
+    pool = list(results)
     what = "held-out log-likelihood" if have_heldout else "log p(x) estimate"
+    if not have_heldout:  # an importance estimate is only trustworthy where k-hat is
+        reliable = [r for r in results if r.khat.reading != "unreliable"]
+        if reliable and len(reliable) < len(results):
+            pool, what = reliable, "log p(x) estimate among guides with k-hat <= 0.7"
+    best = max(pool, key=lambda r: (not math.isnan(key(r)), key(r)))
     line = f"best {what}: {best.name} ({_fmt(key(best), '.4f')}); k-hat {best.khat.reading}"
     if all(r.khat.reading == "unreliable" for r in results):
         line += (

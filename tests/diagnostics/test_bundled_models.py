@@ -38,6 +38,9 @@ def test_suggest_prefers_heldout_and_flags_unreliable_guides():
     assert line.startswith("best held-out log-likelihood: stl") and "richer guide" not in line
     line = suggest([row("trace", None, -5.0, 0.8), row("stl", None, -9.0, 0.9)])
     assert line.startswith("best log p(x) estimate: trace") and "richer guide" in line
+    # without held-out data, an unreliable importance estimate does not win
+    line = suggest([row("trace", None, -5.0, 0.9), row("stl", None, -6.0, 0.6)])
+    assert line.startswith("best log p(x) estimate among guides with k-hat <= 0.7: stl")
 
 
 def test_forest_fallback_without_arviz_plotting(tmp_path, monkeypatch):
