@@ -16,7 +16,7 @@ from pyro import poutine
 from pyro.distributions.score_parts import ScoreParts
 from pyro.infer.util import is_validation_enabled
 from pyro.poutine.util import prune_subsample_sites
-from pyro.util import check_model_guide_match, check_site_shape
+from pyro.util import check_if_enumerated, check_model_guide_match, check_site_shape
 
 from ..distributions.split import SplitLogProb, SplitNotSupported, is_delta, split_log_probs
 from ..poutine.gated_distribution import unwrap_gates
@@ -132,6 +132,7 @@ def get_split_importance_trace(
         )
     validate = is_validation_enabled()
     if validate:
+        check_if_enumerated(guide_trace)  # enumerated guide sites need TraceEnum_ELBO
         check_model_guide_match(model_trace, guide_trace, max_plate_nesting)
     guide_trace = prune_subsample_sites(guide_trace)
     model_trace = prune_subsample_sites(model_trace)
