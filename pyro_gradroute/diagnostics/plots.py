@@ -45,7 +45,9 @@ def plot_losses(results, path: str) -> str:
     if lows:
         pad = 0.05 * (max(highs) - min(lows) or 1.0)
         ax.set_ylim(min(lows) - pad, max(highs) + pad)
-    ax.set(xlabel="step", ylabel="loss (moving average)", title="Training loss")
+    # the y range ends at the 90th percentile so that the late steps, where estimators
+    # differ, are readable; the first steps (largest losses) may leave the chart
+    ax.set(xlabel="step", ylabel="loss (moving average; early steps may be off-chart)", title="Training loss")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -57,15 +59,18 @@ def plot_snr(results, path: str) -> str:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
     x = np.arange(len(results))
-    for i, (label, attr) in enumerate(
-        [("guide params", "snr_guide"), ("model params", "snr_model")]
-    ):
+    series = []  # only the parameter groups the model has (e.g. no model params: no empty bars)
+    for label, attr in [("guide params", "snr_guide"), ("model params", "snr_model")]:
         vals = [getattr(r, attr) for r in results]
-        vals = [v if v is not None and math.isfinite(v) else 0.0 for v in vals]
-        ax.bar(x + (i - 0.5) * 0.38, vals, width=0.38, label=label)
+        if any(v is not None and math.isfinite(v) for v in vals):
+            series.append((label, [v if v is not None and math.isfinite(v) else 0.0 for v in vals]))
+    width = 0.76 / max(1, len(series))
+    for i, (label, vals) in enumerate(series):
+        ax.bar(x + (i - (len(series) - 1) / 2) * width, vals, width=width, label=label)
     ax.set_xticks(x, [r.name for r in results])
     ax.set(ylabel="gradient SNR  |mean| / sd", title="Gradient signal-to-noise at the fit")
-    ax.legend()
+    if series:
+        ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
