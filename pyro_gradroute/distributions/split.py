@@ -1,4 +1,4 @@
-"""One-pass score/pathwise split of a log-density.
+r"""One-pass score/pathwise split of a log-density.
 
 For a reparameterized sample ``z = g(eps; phi)`` of ``q(.; phi)`` the total
 derivative of ``log q(z; phi)`` splits into two parts::
@@ -10,43 +10,56 @@ The score part has expectation zero under ``q``; dropping it gives the
 *sticking-the-landing* estimator (Roeder et al. 2017), weighting the pathwise
 part gives DReG (Tucker et al. 2019).
 
-:func:`split_log_prob` evaluates ``fn.log_prob`` exactly **once**, at a detached
-copy ``v`` of ``value``, and builds all three tensors from that one graph:
+:func:`split_log_prob` evaluates the log-density exactly **once**, at a detached
+copy ``v`` of the sample, and builds all three tensors from that one graph:
 
 * ``score = log fn(stop(value))``: the evaluated graph itself (gradients reach
-  ``fn``'s parameters only);
+  ``fn``'s parameters, and the upstream tensors they were computed from);
 * ``pathwise = log fn(value; stop(phi))``: a node whose backward is the
   vector-Jacobian product ``grad_out * d log fn(v) / dv`` taken lazily through the
-  same graph and sent to ``value`` (gradients reach ``value`` only);
-* ``log_prob``: the ordinary log-density, a node whose backward sends the upstream
-  gradient both ways (``score + pathwise - stop(pathwise)`` in one op).
+  same graph and sent to ``value`` (and, for a conditional ``q(z_2 | z_1)``, the
+  product ``grad_out * d log fn / d z_1`` sent to the upstream sample ``z_1``);
+* ``log_prob``: the ordinary log-density: the product with ``v`` goes to ``value``,
+  and the upstream gradient goes into the evaluated graph itself.
 
-All three have the same value and share one graph (so, as with any shared graph,
-pass ``retain_graph=True`` to all but the last of several separate backward calls
-through them). Their first derivatives equal those of the naive
-two-evaluation computation; second derivatives of ``pathwise`` treat
-``d log fn / dv`` as a constant (the cross term ``d^2 log fn / dv dphi`` is
-not carried), which is what every first-order estimator needs.
+**Exactness.** First derivatives equal those of the naive two-evaluation
+computation. Each backward makes at most two batched vector-Jacobian products: all
+seeds with respect to the detached values (independent leaves, so nothing can be
+counted twice), and the pathwise seeds with respect to the upstream samples. For the
+second product the upstream samples must be *cut points*: when one upstream sample
+depends on another (``z_0 -> z_1 -> z_2``), a product with respect to both would
+count the path through ``z_1`` twice. The ELBOs draw every guide sample through a
+:class:`Relay` (an identity node that can stop the gradient during that product
+only), which makes the product exact at any depth. :func:`split_log_probs` called
+directly with plain upstream tensors raises if they depend on each other.
+
+**Higher derivatives.** ``score`` is an ordinary graph (exact at any order).
+``log_prob`` and ``pathwise`` are first-order only: differentiating them with
+``create_graph=True`` raises :class:`NotImplementedError` (their backward evaluates
+``d log fn / d v`` at a detached ``v``, whose second derivative with respect to the
+sample does not exist in the graph). Use ``fn.log_prob(value)`` directly for
+second derivatives.
 
 Families that need care (all handled, one evaluation each):
 
-* :class:`~torch.distributions.TransformedDistribution` (normalizing flows,
-  AutoNormal's ``biject_to`` pushforward): the evaluation at the detached copy
-  misses the transform cache on purpose, so ``log_prob`` runs the transforms'
-  inverse. This is what makes the score part correct (the cached inverse would
-  silently drop ``d T^{-1}(z; phi) / dphi``). For autoregressive flows such as
-  :class:`~pyro.distributions.transforms.AffineAutoregressive` the inverse costs
-  one network pass per dimension. Transforms without an inverse (Planar, Radial,
-  Sylvester, BlockNeuralAutoregressive) cannot be split: :class:`SplitNotSupported`
-  (a ``NotImplementedError``) says so. ``TraceSTL_ELBO`` then falls back to the
-  ordinary gradient for that site, with a warning; ``TraceDReG_ELBO`` raises.
-  Numerical inverses (splines) make the three parts equal to ``log_prob`` at the
-  cached sample only up to the inverse's round-off (~1e-6 relative in float32).
-* :class:`~pyro.distributions.Delta` (and ``Delta`` wrapped in ``Independent``,
-  ``expand`` or ``mask``): its "parameters" are functions of the sample itself
-  (an AutoContinuous guide's ``Delta`` carries the Jacobian term as
-  ``log_density``). :func:`is_delta` lets estimators keep such sites'
-  full gradient.
+* :class:`~torch.distributions.TransformedDistribution` whose transforms hold no
+  parameters (``biject_to`` pushforwards, ``SigmoidTransform`` ...), drawn through
+  a :class:`Relay` by the ELBOs: the split is taken at the cached *pre-image* ``x``
+  (``log q(T(x)) = log q_base(x) - log|det J_T(x)|``, with the transforms run
+  forward), so no inverse runs and a saturating transform (a sigmoid deep in its
+  float32 tail) keeps both its loss value and its pathwise gradient.
+* ``TransformedDistribution`` with parametrized transforms (normalizing flows):
+  evaluated at the detached sample, which runs the transforms' inverse (the cached
+  inverse would silently drop ``d T^{-1}(z; phi) / dphi``). Transforms without an
+  inverse (Planar, Radial, Sylvester, BlockNeuralAutoregressive) cannot be split:
+  :class:`SplitNotSupported` (a ``NotImplementedError``) says so.
+* Straight-through relaxed families (``RelaxedOneHotCategoricalStraightThrough``,
+  ``RelaxedBernoulliStraightThrough``): the density is evaluated at the relaxed
+  sample the quantized value carries (``value._unquantize``), and the pathwise
+  product goes to that relaxed sample.
+* Distributions with their own ``score_parts`` (``Rejector``, ``RejectionGamma``,
+  ``MaskedDistribution`` with a tensor mask): the split is taken of what their
+  ``score_parts`` returns, so Pyro's meaning of each part is kept.
 """
 
 from __future__ import annotations
@@ -55,9 +68,20 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
-from torch.distributions import Distribution, Independent
+from pyro.distributions.score_parts import ScoreParts
+from pyro.distributions.torch_distribution import TorchDistributionMixin
+from torch.distributions import Distribution, TransformedDistribution
+from torch.distributions.utils import _sum_rightmost
 
-__all__ = ["SplitLogProb", "SplitNotSupported", "split_log_prob", "split_log_probs", "is_delta"]
+__all__ = [
+    "Relay",
+    "RelayGroup",
+    "SplitLogProb",
+    "SplitNotSupported",
+    "is_delta",
+    "split_log_prob",
+    "split_log_probs",
+]
 
 
 class SplitLogProb(NamedTuple):
@@ -79,85 +103,155 @@ class SplitLogProb(NamedTuple):
         return SplitLogProb(*(scale_and_mask(t, scale, mask) for t in self))
 
 
+class SplitNotSupported(NotImplementedError):
+    """The distribution's log-density cannot be evaluated at a fixed (detached) sample."""
+
+
+# ----------------------------------------------------------------------------- relays
+class RelayGroup:
+    """The relays of one guide run. While ``cut`` is set, their backward stops the gradient."""
+
+    def __init__(self) -> None:
+        self.cut = False
+        self.outputs: list[torch.Tensor] = []
+
+
+class _RelayFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):  # type: ignore[override]
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return (None if ctx.group.cut else grad), None
+
+
+def Relay(x: torch.Tensor, group: RelayGroup) -> torch.Tensor:
+    r"""An identity node on a sample, ``x`` in value and gradient, registered in ``group``.
+
+    During the pathwise vector-Jacobian product of :func:`split_log_probs` (and only
+    then) it stops the gradient, so that the product with respect to several relays
+    gives each one its *partial* derivative :math:`\partial \log q / \partial z_i`
+    with the other samples held fixed. The ELBOs draw every guide sample through one.
+
+    Example::
+
+        >>> g = RelayGroup()
+        >>> x = torch.ones(2, requires_grad=True)
+        >>> r = Relay(x, g)
+        >>> r.sum().backward(); x.grad
+        tensor([1., 1.])
+    """
+    out = _RelayFn.apply(x, group)
+    if hasattr(x, "_unquantize"):  # straight-through samples carry their relaxed value
+        out._unquantize = x._unquantize  # type: ignore[attr-defined]
+    group.outputs.append(out)
+    return out
+
+
+# ----------------------------------------------------------------------------- the node
+class _Item(NamedTuple):
+    target: torch.Tensor  # what the product with v is sent to (the value, or its pre-image)
+    v: torch.Tensor  # the detached leaf at which the density was evaluated
+    lp: torch.Tensor  # the evaluated tensor (graph to params, upstream, v)
+    ups: tuple[int, ...]  # indices into the node's upstream list
+
+
 class _Pathwise(torch.autograd.Function):
-    """For ``m`` split sites at once: outputs ``log_prob_j, pathwise_j`` equal to ``lp_j``.
+    """For ``m`` evaluated tensors at once: outputs ``full_i, pathwise_i`` equal to ``lp_i``.
 
-    Each ``lp_j`` is the one evaluated log-density of site ``j``, at the detached leaf
-    ``v_j``; the ``lp_j`` are inputs too, so that the outer backward never frees their
-    graphs before this node has used them. Backward takes the vector-Jacobian
-    products through those graphs lazily, in one ``autograd.grad`` call for all sites
-    (each such call is a re-entrant engine run, so batching them matters):
+    Inputs are the targets, the evaluated tensors ``lp_i`` (so that the outer backward
+    keeps and orders their graphs) and the upstream tensors. Backward:
 
-    * ``log_prob_j``'s gradient ``g`` goes to ``value_j`` (as ``g * d lp_j / dv_j``)
-      and on to ``lp_j`` (whose graph reaches the parameters);
-    * ``pathwise_j``'s gradient ``h`` goes to ``value_j`` and to site ``j``'s upstream
-      tensors only (as ``h * d lp_j / d(v_j, upstream_j)``), nothing to ``lp_j``.
+    * ``full_i``'s seed ``g`` goes to ``target_i`` as ``g * d lp_i / d v_i`` and into
+      ``lp_i``'s own graph (parameters and upstream samples, as the ordinary
+      gradient does);
+    * ``pathwise_i``'s seed ``h`` goes to ``target_i`` as ``h * d lp_i / d v_i`` and to
+      the upstream tensors as ``h * d lp_i / d u`` (partials: the relays cut), never
+      into ``lp_i``'s graph.
     """
 
     @staticmethod
     def forward(ctx, meta, *tensors):  # type: ignore[override]
-        # meta: (lps, vs, ups_per_site, unique_ups) with their graphs (forward sees detached inputs)
         ctx.meta = meta
         ctx.set_materialize_grads(False)
-        m = len(meta[0])
+        m, n_ups = len(meta[0]), len(meta[1])
         outs = []
-        for lp in tensors[m : 2 * m]:
+        for lp in tensors[n_ups : n_ups + m]:
             d = lp.detach()
             outs += [d.clone(), d.clone()]
         return tuple(outs)
 
     @staticmethod
     def backward(ctx, *grads):  # type: ignore[override]
-        lps, vs, ups_per_site, unique_ups = ctx.meta
-        m = len(lps)
-        create = torch.is_grad_enabled()
-        g_vs: list = [None] * m
-        g_ups: dict[int, torch.Tensor] = {}
-        outputs, seeds, inputs, slots = [], [], [], []  # one re-entrant call for (nearly) all
-        for j in range(m):
-            g_full, g_path = grads[2 * j], grads[2 * j + 1]
-            seed = g_path
-            if g_full is not None and not (g_path is not None and ups_per_site[j]):
-                seed = g_full if seed is None else seed + g_full
-            elif g_full is not None and vs[j].requires_grad:
-                # log_prob's seed must not reach the upstream tensors: its own product
-                (g,) = torch.autograd.grad(
-                    lps[j], [vs[j]], g_full, retain_graph=True, create_graph=create, allow_unused=True
-                )
-                g_vs[j] = g
-            if seed is None:
-                continue
-            outputs.append(lps[j])
-            seeds.append(seed)
-            if vs[j].requires_grad:
-                inputs.append(vs[j])
-                slots.append(("v", j))
-            if g_path is not None:
-                for k in ups_per_site[j]:
-                    if ("u", k) not in slots:
-                        inputs.append(unique_ups[k])
-                        slots.append(("u", k))
-        if inputs:
-            out = torch.autograd.grad(
-                outputs, inputs, seeds, retain_graph=True, create_graph=create, allow_unused=True
+        if torch.is_grad_enabled():
+            raise NotImplementedError(
+                "split_log_prob's log_prob and pathwise parts are first-order only: they are "
+                "not differentiable twice (create_graph=True). Their score part, and "
+                "fn.log_prob(value) itself, support higher derivatives; the package's "
+                "Trace_ELBO (which does not split) does too."
             )
-            for (kind, j), g in zip(slots, out):
-                if kind == "v":
-                    g_vs[j] = g if g_vs[j] is None or g is None else g_vs[j] + g
-                else:
-                    g_ups[j] = g
-        g_lps = [grads[2 * j] for j in range(m)]
-        return (None, *g_vs, *g_lps, *(g_ups.get(k) for k in range(len(unique_ups))))
+        items, ups, targets, group, target_index = ctx.meta
+        g_full = grads[0::2]
+        g_path = grads[1::2]
+        g_targets: list = [None] * len(targets)
+        # 1. all seeds w.r.t. the detached values (independent leaves)
+        outs, seeds, vs, slots = [], [], [], []
+        for i, it in enumerate(items):
+            s = _add(g_full[i], g_path[i])
+            if s is not None and it.v.requires_grad:
+                outs.append(it.lp)
+                seeds.append(s)
+                vs.append(it.v)
+                slots.append(i)
+        if vs:
+            gs = torch.autograd.grad(outs, vs, seeds, retain_graph=True, allow_unused=True)
+            for i, g in zip(slots, gs):
+                k = target_index[i]
+                g_targets[k] = _add(g_targets[k], g)
+        # 2. pathwise seeds w.r.t. the upstream samples (partials)
+        g_ups: list = [None] * len(ups)
+        outs = [it.lp for i, it in enumerate(items) if it.ups and g_path[i] is not None]
+        if outs:
+            seeds = [g_path[i] for i, it in enumerate(items) if it.ups and g_path[i] is not None]
+            wanted = sorted(
+                {
+                    k
+                    for i, it in enumerate(items)
+                    if it.ups and g_path[i] is not None
+                    for k in it.ups
+                }
+            )
+            if group is not None:
+                group.cut = True
+            try:
+                gs = torch.autograd.grad(
+                    outs, [ups[k] for k in wanted], seeds, retain_graph=True, allow_unused=True
+                )
+            finally:
+                if group is not None:
+                    group.cut = False
+            for k, g in zip(wanted, gs):
+                g_ups[k] = g
+        return (None, *g_ups, *g_full, *g_targets)
 
 
-class SplitNotSupported(NotImplementedError):
-    """The distribution's log-density cannot be evaluated at a fixed (detached) sample."""
+def _add(a, b):
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return a + b
 
 
-def _reached(tensor: torch.Tensor, candidates: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """The ``candidates`` whose autograd node lies on ``tensor``'s graph (searched up to them)."""
+def _reached(tensor: torch.Tensor, candidates: Sequence[torch.Tensor]) -> list[int]:
+    """Indices of the ``candidates`` whose autograd node lies on ``tensor``'s graph.
+
+    The search stops at candidate nodes (it does not look below them).
+    """
     root = tensor.grad_fn
-    if root is None:
+    if root is None or not candidates:
         return []
     targets = {}
     for i, c in enumerate(candidates):
@@ -179,7 +273,124 @@ def _reached(tensor: torch.Tensor, candidates: Sequence[torch.Tensor]) -> list[t
             if f is not None and f not in seen:
                 seen.add(f)
                 stack.append(f)
-    return [candidates[i] for i in sorted(hit)]
+    return sorted(hit)
+
+
+def _check_independent(ups: list[torch.Tensor]) -> None:
+    """Raise if one of ``ups`` lies on another's graph (the product would count a path twice)."""
+    for j, u in enumerate(ups):
+        below = _reached_below(u, [w for i, w in enumerate(ups) if i != j])
+        if below:
+            raise ValueError(
+                "split_log_probs: an upstream tensor depends on another one (shape "
+                f"{tuple(u.shape)} is computed from shape {tuple(below[0].shape)}), so the "
+                "pathwise product with respect to both would count the path through the "
+                "later one twice. Pass only the samples the distribution reads directly, "
+                "drawn through pyro_gradroute.distributions.Relay cut points, or use the "
+                "package's ELBOs, which insert them."
+            )
+
+
+def _reached_below(u: torch.Tensor, others: list[torch.Tensor]) -> list[torch.Tensor]:
+    if u.grad_fn is None:
+        return []
+    idx = _reached_from(u.grad_fn, others)
+    return [others[i] for i in idx]
+
+
+def _reached_from(root, candidates):
+    targets = {c.grad_fn: i for i, c in enumerate(candidates) if c.grad_fn is not None}
+    hit, seen, stack = [], {root}, [f for f, _ in root.next_functions if f is not None]
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        i = targets.get(node)
+        if i is not None:
+            hit.append(i)
+            continue
+        stack.extend(f for f, _ in node.next_functions if f is not None and f not in seen)
+    return hit
+
+
+# ----------------------------------------------------------------------------- evaluation
+def _param_free(t) -> bool:
+    """Whether a transform holds no tensor that requires grad (and no module parameters)."""
+    from torch.distributions.transforms import (
+        ComposeTransform,
+        IndependentTransform,
+        _InverseTransform,
+    )
+
+    if isinstance(t, torch.nn.Module) and any(True for _ in t.parameters()):
+        return False
+    if isinstance(t, ComposeTransform):
+        return all(_param_free(p) for p in t.parts)
+    if isinstance(t, IndependentTransform):
+        return _param_free(t.base_transform)
+    if isinstance(t, _InverseTransform):
+        return _param_free(t._inv)
+    return not any(torch.is_tensor(a) and a.requires_grad for a in vars(t).values())
+
+
+def _default_score_parts(fn) -> bool:
+    return getattr(type(fn), "score_parts", None) is TorchDistributionMixin.score_parts
+
+
+def preimage_rsample(fn: Distribution, sample_shape=torch.Size()):
+    """``fn.rsample(sample_shape)`` and, for a parameter-free ``TransformedDistribution``, its pre-image.
+
+    Returns ``(value, x)`` where ``x`` is the base sample (``None`` if ``fn`` is not
+    such a distribution). The same operations as ``TransformedDistribution.rsample``.
+    """
+    if (
+        isinstance(fn, TransformedDistribution)
+        and _default_score_parts(fn)
+        and _default_score_parts(fn.base_dist)
+        and all(_param_free(t) for t in fn.transforms)
+    ):
+        x = fn.base_dist.rsample(sample_shape)
+        y = x
+        for t in fn.transforms:
+            y = t(y)
+        return y, x
+    return fn.rsample(sample_shape), None
+
+
+def _transformed_log_prob(fn: TransformedDistribution, x: torch.Tensor) -> torch.Tensor:
+    """``fn.log_prob(T(x))`` computed forward from the pre-image ``x`` (no inverse)."""
+    event_dim = len(fn.event_shape)
+    log_prob = 0.0
+    y = x
+    for t in fn.transforms:
+        t = t.with_cache(0)
+        y_next = t(y)
+        ladj = t.log_abs_det_jacobian(y, y_next)
+        log_prob = log_prob - _sum_rightmost(ladj, event_dim - t.codomain.event_dim)
+        y = y_next
+    base_event = len(fn.base_dist.event_shape)
+    in_event = fn.transforms[0].domain.event_dim if fn.transforms else base_event
+    base_lp = fn.base_dist.log_prob(x)
+    return log_prob + _sum_rightmost(base_lp, event_dim - base_event + 0 * in_event)
+
+
+def _evaluate(fn: Distribution, value: torch.Tensor, preimage, grad_mode: bool):
+    """``(target, v, ScoreParts at v)``: one evaluation of ``fn``'s score parts at a detached copy."""
+    unq = getattr(value, "_unquantize", None)
+    if preimage is not None:
+        target = preimage
+        v = preimage.detach().requires_grad_(preimage.requires_grad and grad_mode)
+        lp = _transformed_log_prob(fn, v)
+        parts = ScoreParts(lp, 0, lp) if fn.has_rsample else ScoreParts(lp, lp, 0)
+        return target, v, parts
+    if unq is not None:
+        target = unq
+        v = value.detach()
+        v._unquantize = unq.detach().requires_grad_(unq.requires_grad and grad_mode)
+        return target, v._unquantize, fn.score_parts(v)
+    v = value.detach().requires_grad_(value.requires_grad and grad_mode)
+    return value, v, fn.score_parts(v)
 
 
 def split_log_prob(
@@ -210,7 +421,8 @@ def split_log_prob(
     ``log q(stop(z_2) | z_1; phi)`` (fn's whole graph, as Pyro's score-function terms
     use it); the upstream path then appears in both, so with ``upstream`` the two no
     longer add up to ``log_prob``'s gradient. Candidates that ``fn``'s graph does not
-    reach are ignored.
+    reach are ignored; candidates that depend on each other raise ``ValueError``
+    unless they are :class:`Relay` outputs of one group.
 
     Example::
 
@@ -238,85 +450,175 @@ def split_log_prob(
 
 def split_log_probs(
     items: Sequence[tuple[Distribution, torch.Tensor, Sequence[torch.Tensor]]],
+    group: RelayGroup | None = None,
 ) -> list[SplitLogProb]:
     """:func:`split_log_prob` for several ``(fn, value, upstream)`` at once.
 
-    Same results; the backward of all pathwise parts is batched into one
-    vector-Jacobian product (one re-entrant autograd call instead of one per item),
-    which is what the ELBOs use for a whole guide trace.
+    Same results; the backward of all parts is batched into (at most) two
+    vector-Jacobian products, which is what the ELBOs use for a whole guide trace.
+    ``group``: the :class:`RelayGroup` whose relays the upstream tensors are (then
+    they may depend on each other).
     """
-    results: list = [None] * len(items)
-    joint = []  # (index, value, score, v, reached upstream)
+    out = split_score_parts(
+        [(fn, value, upstream, None) for fn, value, upstream in items], group=group
+    )
+    return [SplitLogProb(p.log_prob, s, q.log_prob) for p, q, s in out]
+
+
+def split_score_parts(items, group: RelayGroup | None = None, on_error=None):
+    """The split of each item's ``score_parts``: a list of ``(full, pathwise, score)``.
+
+    ``items``: ``(fn, value, upstream, preimage)``. ``full`` and ``pathwise`` are
+    :class:`~pyro.distributions.score_parts.ScoreParts` (``log_prob``,
+    ``score_function``, ``entropy_term``) whose tensors carry the full, respectively
+    the pathwise, gradient; ``score`` is the evaluated ``log_prob`` itself.
+    ``on_error(i, exc)`` may return ``None`` to re-raise, or a
+    ``(full, pathwise, score)`` triple to use for item ``i`` instead.
+    """
     grad_mode = torch.is_grad_enabled()
-    for i, (fn, value, upstream) in enumerate(items):
+    results: list = [None] * len(items)
+    node_items: list[_Item] = []
+    owners: list[tuple[int, str]] = []  # (item index, part name) per node item
+    targets: list[torch.Tensor] = []
+    target_index: list[int] = []
+    ups_list: list[torch.Tensor] = []
+    for i, (fn, value, upstream, preimage) in enumerate(items):
         if not isinstance(fn, Distribution):
             raise TypeError(
                 f"split_log_prob expects a torch.distributions.Distribution, got {type(fn).__name__}"
             )
         if not torch.is_tensor(value):
             raise TypeError(f"split_log_prob expects a tensor value, got {type(value).__name__}")
-        needs_path = value.requires_grad and grad_mode
-        v = value.detach()
-        if needs_path:
-            v.requires_grad_(True)
         try:
-            score = fn.log_prob(v)
-        except ValueError as e:
-            e.split_index = i  # type: ignore[attr-defined]  # lets callers name the site
-            raise
+            target, v, parts = _evaluate(fn, value, preimage, grad_mode)
         except (NotImplementedError, KeyError) as e:
             err = SplitNotSupported(
                 f"{type(fn).__name__}.log_prob cannot be evaluated at a fixed sample "
                 f"({type(e).__name__}: {e}). The score/pathwise split needs log q(z; phi) at "
-                "a sample held fixed, which for a TransformedDistribution means running its "
-                "transforms' inverse (the transform cache only knows the sample it produced); "
-                "transforms without an inverse (Planar, Radial, Sylvester, "
-                "BlockNeuralAutoregressive, ...) cannot be split. Use invertible transforms "
-                "(affine_autoregressive, spline, spline_autoregressive, ...) or an estimator "
-                "that does not split this site (Trace_ELBO)."
+                "a sample held fixed, which for a TransformedDistribution with parametrized "
+                "transforms means running their inverse; transforms without an inverse "
+                "(Planar, Radial, Sylvester, BlockNeuralAutoregressive, ...) cannot be split. "
+                "Use invertible transforms (affine_autoregressive, spline, "
+                "spline_autoregressive, ...) or an estimator that does not split this site "
+                "(Trace_ELBO)."
             )
-            err.split_index = i  # type: ignore[attr-defined]
-            raise err from e
-        if not grad_mode or not score.requires_grad:  # e.g. a Delta of constant log-density
-            results[i] = SplitLogProb(score, score, score)
+            alt = on_error(i, err) if on_error is not None else None
+            if alt is None:
+                err.split_index = i  # type: ignore[attr-defined]
+                raise err from e
+            results[i] = alt
             continue
-        up = _reached(score, list(upstream)) if upstream else []
-        if not needs_path and not up:
-            results[i] = SplitLogProb(score, score, score.detach())
+        except ValueError as e:
+            e.split_index = i  # type: ignore[attr-defined]  # lets callers name the site
+            raise
+        lp = parts.log_prob
+        distinct: dict[str, str] = {}  # part name -> the first name holding the same tensor
+        for name in ("log_prob", "score_function", "entropy_term"):
+            t = getattr(parts, name)
+            if torch.is_tensor(t) and t.requires_grad and grad_mode:
+                alias = [n for n in distinct if getattr(parts, n) is t]
+                distinct[name] = alias[0] if alias else name
+        if not distinct:
+            results[i] = (parts, _stop_all(parts), lp)
             continue
-        joint.append((i, value, score, v, up))
-    if joint:
-        unique_ups: list[torch.Tensor] = []
-        ups_per_site = []
-        for *_, up in joint:
-            idx = []
-            for u in up:
-                k = next((n for n, w in enumerate(unique_ups) if w is u), None)
+        ups_here: list[int] = []
+        if upstream:
+            for j in _reached(lp, list(upstream)):
+                u = upstream[j]
+                k = next((n for n, w in enumerate(ups_list) if w is u), None)
                 if k is None:
-                    k = len(unique_ups)
-                    unique_ups.append(u)
-                idx.append(k)
-            ups_per_site.append(idx)
-        lps = [j[2] for j in joint]
-        meta = (lps, [j[3] for j in joint], ups_per_site, unique_ups)
-        outs = _Pathwise.apply(meta, *(j[1] for j in joint), *lps, *unique_ups)
-        for n, (i, _, score, _, _) in enumerate(joint):
-            results[i] = SplitLogProb(outs[2 * n], score, outs[2 * n + 1])
+                    k = len(ups_list)
+                    ups_list.append(u)
+                ups_here.append(k)
+        if not v.requires_grad and not ups_here:  # no value path: the evaluation is the split
+            results[i] = (parts, _stop_all(parts), lp)
+            continue
+        targets.append(target)
+        tk = len(targets) - 1
+        for name, first in distinct.items():
+            if first != name:
+                continue
+            node_items.append(_Item(target, v, getattr(parts, name), tuple(ups_here)))
+            owners.append((i, name))
+            target_index.append(tk)
+        results[i] = (parts, distinct)
+    if node_items:
+        if group is None and len(ups_list) > 1:
+            _check_independent(ups_list)
+        meta = (node_items, ups_list, targets, group, target_index)
+        lps = [it.lp for it in node_items]
+        outs = _Pathwise.apply(meta, *ups_list, *lps, *targets)
+        split_of: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+        for n, key in enumerate(owners):
+            split_of[key] = (outs[2 * n], outs[2 * n + 1])
+        for i, r in enumerate(results):
+            if r is None or len(r) != 2 or not isinstance(r[1], dict):
+                continue
+            parts, distinct = r
+            full, path = [], []
+            for name in ("log_prob", "score_function", "entropy_term"):
+                t = getattr(parts, name)
+                if name in distinct:
+                    f, p = split_of[(i, distinct[name])]
+                    full.append(f)
+                    path.append(p)
+                else:
+                    full.append(t)
+                    path.append(t.detach() if torch.is_tensor(t) else t)
+            results[i] = (ScoreParts(*full), ScoreParts(*path), parts.log_prob)
     return results
+
+
+def _stop_all(parts: ScoreParts) -> ScoreParts:
+    return ScoreParts(*(t.detach() if torch.is_tensor(t) else t for t in parts))
+
+
+def reaches_leaf_directly(t: torch.Tensor, stops: Sequence[torch.Tensor] = ()) -> bool:
+    """Whether ``t``'s graph reaches a leaf that requires grad other than through ``stops``.
+
+    ``stops`` are tensors (relays, detached values) at which the search ends.
+    """
+    if t.grad_fn is None:
+        return t.requires_grad
+    stop_nodes = {s.grad_fn for s in stops if s.grad_fn is not None}
+    stop_leaves = {id(s) for s in stops if s.grad_fn is None}
+    seen, stack = {t.grad_fn}, [t.grad_fn]
+    while stack:
+        node = stack.pop()
+        var = getattr(node, "variable", None)
+        if var is not None and id(var) not in stop_leaves:
+            return True
+        for f, _ in node.next_functions:
+            if f is not None and f not in seen and f not in stop_nodes:
+                seen.add(f)
+                stack.append(f)
+    return False
+
+
+def delta_base(fn: Distribution):
+    """The :class:`~pyro.distributions.Delta` inside ``fn`` (unwrapping ``Independent``, ``expand``, ``mask``), or None."""
+    from pyro.distributions import Delta
+    from pyro.distributions.torch_distribution import ExpandedDistribution, MaskedDistribution
+    from torch.distributions import Independent
+
+    while isinstance(fn, (Independent, ExpandedDistribution, MaskedDistribution)):
+        fn = fn.base_dist
+    return fn if isinstance(fn, Delta) else None
 
 
 def is_delta(fn: Distribution) -> bool:
     """Whether ``fn`` is a :class:`~pyro.distributions.Delta`, possibly wrapped.
 
     Unwraps ``Independent``, ``ExpandedDistribution`` and ``MaskedDistribution``.
-    A Delta's ``v`` and ``log_density`` are functions of the sample, not free
-    parameters, so estimators that stop parameter gradients must keep them.
+    A Delta's value is a deterministic function of other samples or of parameters;
+    it is not a random draw.
     """
     from pyro.distributions import Delta
     from pyro.distributions.torch_distribution import (
         ExpandedDistribution,
         MaskedDistribution,
     )
+    from torch.distributions import Independent
 
     while isinstance(fn, (Independent, ExpandedDistribution, MaskedDistribution)):
         fn = fn.base_dist

@@ -42,12 +42,20 @@ def collect_blocks(model_trace, guide_trace) -> dict:
 class RoutedELBO(ELBO):
     """Base class: subclasses implement :meth:`_particle_terms`.
 
-    ``_particle_terms(model_trace, guide_trace) -> (elbo: float, terms: dict)``
+    ``_particle_terms(model_trace, guide_trace, blocks) -> (elbo: float, terms: dict)``
     returns one particle's ELBO estimate and its named surrogate-ELBO terms
-    (to be *maximized*). With vectorized particles the trace pair holds all
-    particles, summed; the base class divides by :meth:`_particle_divisor`
-    (``num_particles``) in both cases. Estimators whose terms already combine the
-    particles (importance-weighted bounds) return 1 there.
+    (to be *maximized*); ``blocks`` are the trace pair's ``block_grad`` routes (term
+    key -> blocked parameters), which an estimator may use to split a term further.
+    With vectorized particles the trace pair holds all particles, summed; the base
+    class divides by :meth:`_particle_divisor` (``num_particles``) in both cases.
+    Estimators whose terms already combine the particles (importance-weighted
+    bounds) return 1 there.
+
+    Pyro's extension hook is honoured: a subclass that overrides
+    ``_differentiable_loss_particle(model_trace, guide_trace) -> (loss, surrogate_loss)``
+    (as ``pyro.contrib.cevae.TraceCausalEffect_ELBO`` does) is used as such; its
+    default here is built from the terms. Routes cannot be applied to such an opaque
+    surrogate: with ``block_grad`` marks present that combination raises.
     """
 
     def _particle_divisor(self) -> int:
@@ -72,25 +80,57 @@ class RoutedELBO(ELBO):
             fallback=self._split_fallback,
         )
 
-    def _particle_terms(self, model_trace, guide_trace) -> tuple[float, Terms]:
+    def _particle_terms(self, model_trace, guide_trace, blocks=None) -> tuple[float, Terms]:
         raise NotImplementedError
 
+    def _differentiable_loss_particle(self, model_trace, guide_trace):
+        """Pyro's hook: ``(loss, surrogate_loss)`` of one trace pair (no routes)."""
+        elbo, terms = self._particle_terms(model_trace, guide_trace, {})
+        surrogate = sum(terms.values()) if terms else 0.0
+        return -elbo, -surrogate
+
+    def _hook_overridden(self) -> bool:
+        return (
+            type(self)._differentiable_loss_particle is not RoutedELBO._differentiable_loss_particle
+        )
+
     def _iter_particles(self, model, guide, args, kwargs):
-        """Yield ``(elbo, terms, blocks)`` per trace, divided by :meth:`_particle_divisor`.
+        """Yield ``(elbo, terms, blocks, trainable)`` per trace, divided by :meth:`_particle_divisor`.
 
         (A vectorized trace holds all particles, summed: it is divided likewise.)
+        ``trainable``: whether the traces hold a ``param`` site (Pyro skips the
+        backward pass otherwise).
         """
         n = self._particle_divisor()
+        hook = self._hook_overridden()
         for model_trace, guide_trace in self._get_traces(model, guide, args, kwargs):
-            elbo, terms = self._particle_terms(model_trace, guide_trace)
+            blocks = collect_blocks(model_trace, guide_trace)
+            trainable = any(
+                site["type"] == "param"
+                for t in (model_trace, guide_trace)
+                for site in t.nodes.values()
+            )
+            if hook:
+                if blocks:
+                    raise NotImplementedError(
+                        f"{type(self).__name__} overrides _differentiable_loss_particle, whose "
+                        "surrogate is a single tensor: block_grad routes cannot be applied to it. "
+                        "Remove the block_grad marks, or express the estimator as terms "
+                        "(override _particle_terms)."
+                    )
+                loss, surrogate = self._differentiable_loss_particle(model_trace, guide_trace)
+                elbo, terms = -torch_item(loss), {("surrogate",): -surrogate}
+            else:
+                elbo, terms = self._particle_terms(model_trace, guide_trace, blocks)
+            terms = {k: v for k, v in terms.items() if torch.is_tensor(v) and v.requires_grad}
             if n > 1:
                 terms = {k: v / n for k, v in terms.items()}
-            yield elbo / n, terms, collect_blocks(model_trace, guide_trace)
+            yield elbo / n, terms, blocks, trainable
 
     def loss(self, model, guide, *args, **kwargs) -> float:
         """Estimate of the negative ELBO (a float; no gradients)."""
         with torch.no_grad():
-            loss = -sum(e for e, _, _ in self._iter_particles(model, guide, args, kwargs))
+            loss = -sum(e for e, _, _, _ in self._iter_particles(model, guide, args, kwargs))
         warn_if_nan(loss, "loss")
         return loss
 
@@ -101,24 +141,27 @@ class RoutedELBO(ELBO):
         :func:`pyro_gradroute.routing.gate` (exact; slower than :meth:`loss_and_grads`,
         which SVI calls and which uses the routing engine's pruned passes).
         """
-        loss, surrogate = 0.0, 0.0
-        for elbo, terms, blocks in self._iter_particles(model, guide, args, kwargs):
+        loss, surrogate = 0.0, None
+        for elbo, terms, blocks, _ in self._iter_particles(model, guide, args, kwargs):
             terms = {k: routing.gate(v, blocks[k]) if k in blocks else v for k, v in terms.items()}
             loss = loss - elbo
-            surrogate = surrogate - sum(terms.values(), torch.tensor(0.0))
-        warn_if_nan(surrogate, "loss")
-        if not torch.is_tensor(surrogate):
+            for v in terms.values():
+                surrogate = -v if surrogate is None else surrogate - v
+        if surrogate is None:
             return torch.tensor(loss)
-        return loss + (surrogate - torch_item(surrogate))
+        warn_if_nan(surrogate, "loss")
+        return loss + (surrogate - surrogate.detach())
 
     def loss_and_grads(self, model, guide, *args, **kwargs) -> float:
         """Negative ELBO as a float; accumulates the (routed) estimator into ``.grad``."""
         loss = 0.0
-        for elbo, terms, blocks in self._iter_particles(model, guide, args, kwargs):
+        for elbo, terms, blocks, trainable in self._iter_particles(model, guide, args, kwargs):
             loss -= elbo
-            if terms and not blocks:  # no routes: one plain backward of the whole surrogate
+            if not (terms and trainable):  # as Pyro: no param site, no backward
+                continue
+            if not blocks:  # no routes: one plain backward of the whole surrogate
                 (-sum(terms.values())).backward(retain_graph=self.retain_graph)
-            elif terms:
+            else:
                 routing.backward(
                     {k: -v for k, v in terms.items()},
                     block=blocks,

@@ -3,39 +3,80 @@
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 from pyro.infer.util import get_dependent_plate_dims
 from pyro.poutine import Trace
 
+from ..distributions.split import _reached, is_delta, reaches_leaf_directly
+from ..distributions.split_distribution import SplitDistribution
 from .elbo import RoutedELBO, Terms, add_term
-from .traces import get_split_importance_trace
+from .trace_stl_elbo import check_delta_density
+from .traces import get_split_importance_trace, site_parts
 
 
-class _Weights:
-    """Per-particle gradient factors, filled in once the importance weights are known."""
+class _Factors:
+    """Per-site gradient factors of one trace pair, filled in once the weights are known."""
 
-    factor: torch.Tensor | None = None
+    def __init__(self) -> None:
+        self.by_site: dict[str, torch.Tensor | float] = {}
 
 
 class _GradScale(torch.autograd.Function):
-    """Identity in value; multiplies the incoming gradient by the particle's factor."""
+    """Identity in value; multiplies the incoming gradient by the site's factor."""
 
     @staticmethod
-    def forward(ctx, x, weights, event_dim):  # type: ignore[override]
-        ctx.weights, ctx.event_dim = weights, event_dim
+    def forward(ctx, x, factors, name, event_dim):  # type: ignore[override]
+        ctx.factors, ctx.name, ctx.event_dim = factors, name, event_dim
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        f = ctx.weights.factor
-        f = f.reshape(f.shape + (1,) * ctx.event_dim)
-        return grad * f, None, None
+        f = ctx.factors.by_site.get(ctx.name, 1.0)
+        if torch.is_tensor(f):
+            f = f.reshape(f.shape + (1,) * ctx.event_dim)
+        return grad * f, None, None, None
 
 
 def _sum_dependent(t: torch.Tensor, dims) -> torch.Tensor:
     dims = [d for d in dims if -t.dim() <= d]
     return t.sum(dims, keepdim=True) if dims else t
+
+
+def _sample_sites(*traces):
+    return [s for t in traces for s in t.nodes.values() if s["type"] == "sample"]
+
+
+def common_plate_scale(sites) -> float:
+    """The subsampling scale ``N / b`` of the plates that hold every site (1 without subsampling)."""
+    stacks = [{f.name: f for f in s["cond_indep_stack"] if f.vectorized} for s in sites]
+    if not stacks:
+        return 1.0
+    common = set(stacks[0]).intersection(*stacks[1:])
+    scale = 1.0
+    for name in common:
+        f = stacks[0][name]
+        if f.full_size is not None and f.full_size != f.size:
+            scale *= f.full_size / f.size
+    return scale
+
+
+def _inner_scale(site, outer: float):
+    """The site's scale inside the log-weights (its scale over the common plates', times its mask)."""
+    c = site["scale"] / outer
+    mask = site["mask"]
+    if mask is not None and mask is not True:
+        c = c * (mask if torch.is_tensor(mask) else float(mask))
+    return c
+
+
+def _same(a, b) -> bool:
+    if torch.is_tensor(a) or torch.is_tensor(b):
+        a, b = torch.as_tensor(a), torch.as_tensor(b)
+        a, b = torch.broadcast_tensors(a.to(b), b)
+        return bool(torch.equal(a, b))
+    return a == b
 
 
 class TraceDReG_ELBO(RoutedELBO):
@@ -107,30 +148,36 @@ class TraceDReG_ELBO(RoutedELBO):
             )
         # one particle needs no particle plate (and no max_plate_nesting guess)
         vectorize_particles = vectorize_particles and num_particles > 1
-        super().__init__(num_particles=num_particles, vectorize_particles=vectorize_particles, **kwargs)
+        super().__init__(
+            num_particles=num_particles, vectorize_particles=vectorize_particles, **kwargs
+        )
+        self._factors: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
-    # the two weightings that distinguish IWAE-DReG from RWS-DReG
-    def _path_factor(self, w: torch.Tensor) -> torch.Tensor:
-        """Extra factor on the gradient that flows through the samples into the model."""
-        return w
+    # the weightings that distinguish IWAE-DReG from RWS-DReG
+    def _draw_factor(self, w: torch.Tensor, c) -> torch.Tensor:
+        """Factor on the gradient through a random draw whose log-density has scale ``c``."""
+        return 1 - c + c * w
 
-    def _guide_weight(self, w: torch.Tensor) -> torch.Tensor:
-        """Weight of each particle's guide log-density (stopped parameters)."""
-        return w * w
+    def _param_factor(self, w: torch.Tensor):
+        """Factor on a path that reaches a parameter through no random draw (a Delta's value)."""
+        return 1.0
 
     def _particle_divisor(self) -> int:
         return 1  # the bound already combines the particles
 
     def _get_trace(self, model, guide, args, kwargs):
-        weights = _Weights()
+        factors = _Factors()
 
         def gated(guide_trace: Trace) -> Trace:
             trace = guide_trace.copy()
             for name, site in guide_trace.nodes.items():
-                if site["type"] == "sample" and torch.is_tensor(site["value"]) and site["value"].requires_grad:
+                value = site.get("value")
+                if site["type"] == "sample" and torch.is_tensor(value) and value.requires_grad:
                     event_dim = getattr(site["fn"], "event_dim", 0)
                     site = dict(site)
-                    site["value"] = _GradScale.apply(site["value"], weights, event_dim)
+                    site["value"] = _GradScale.apply(value, factors, name, event_dim)
+                    if hasattr(value, "_unquantize"):
+                        site["value"]._unquantize = value._unquantize
                     trace.nodes[name] = site
             return trace
 
@@ -142,48 +189,128 @@ class TraceDReG_ELBO(RoutedELBO):
             kwargs,
             replay_values=gated if self.num_particles > 1 else None,
         )  # every site split; one that cannot be split raises (DReG needs its pathwise part)
-        guide_trace._gradroute_weights = weights
+        self._factors[guide_trace] = factors
         return model_trace, guide_trace
 
-    @staticmethod
-    def _check_reparameterized(guide_trace: Trace) -> None:
+    def _check_sites(self, guide_trace: Trace) -> None:
         for name, site in guide_trace.nodes.items():
             if site["type"] != "sample" or site["is_observed"]:
                 continue
-            if not getattr(site["fn"], "has_rsample", False) or not site["value"].requires_grad:
-                if site["infer"].get("is_auxiliary") or getattr(site["fn"], "has_rsample", False):
-                    continue  # e.g. a Delta of a constant: no gradient to route
+            fn = site["fn"].base_dist if isinstance(site["fn"], SplitDistribution) else site["fn"]
+            parts = site["score_parts"]
+            if not getattr(fn, "has_rsample", False):
+                if torch.is_tensor(parts.log_prob) and parts.log_prob.requires_grad:
+                    raise ValueError(
+                        f"Guide site '{name}' ({type(fn).__name__}) is not reparameterized: "
+                        "doubly-reparameterized gradients need a pathwise derivative through every "
+                        "guide sample that depends on parameters (auxiliary sites included). Use a "
+                        "family with rsample for this site, or pyro.infer.RenyiELBO(alpha=0) / "
+                        "pyro.infer.ReweightedWakeSleep."
+                    )
+                continue
+            sf = parts.score_function
+            if torch.is_tensor(sf) and sf.requires_grad:
                 raise ValueError(
-                    f"Guide site '{name}' ({type(site['fn']).__name__}) is not reparameterized: "
-                    "doubly-reparameterized gradients need a pathwise derivative through every "
-                    "guide sample. Use a family with rsample for this site, or "
-                    "pyro.infer.RenyiELBO(alpha=0) / pyro.infer.ReweightedWakeSleep."
+                    f"Guide site '{name}' ({type(fn).__name__}) has its own score-function term "
+                    "(e.g. a rejection sampler's acceptance correction), which the "
+                    "doubly-reparameterized identity does not cover. Use pyro.infer.RenyiELBO"
+                    "(alpha=0) for this guide, or a family with a plain rsample."
+                )
+            check_delta_density(site, type(self).__name__)
+
+    def _site_factors(self, guide_sites, w, outer) -> dict:
+        """``name -> factor`` on the gradient through each guide site's value (see the class docs)."""
+        records = {}
+        for name, site in guide_sites.items():
+            fn = site["fn"]
+            if isinstance(fn, SplitDistribution):
+                records[name] = fn.batch.records.get(name)
+        by_relay = {id(r.value): n for n, r in records.items() if r is not None}
+        c = {n: _inner_scale(s, outer) for n, s in guide_sites.items()}
+        draws = {
+            n
+            for n, s in guide_sites.items()
+            if torch.is_tensor(s["value"]) and s["value"].requires_grad and not is_delta(s["fn"])
+        }
+        factors: dict = {}
+        for n in draws:
+            factors[n] = self._draw_factor(w, c[n])
+        uniform = all(_same(c[a], c[b]) for a in draws for b in draws)
+        for n, site in guide_sites.items():
+            rec = records.get(n)
+            if (
+                rec is None
+                or n in draws
+                or not torch.is_tensor(site["value"])
+                or not site["value"].requires_grad
+            ):
+                continue
+            reached = [by_relay[id(rec.upstream[i])] for i in _reached(rec.raw, rec.upstream)]
+            direct = reaches_leaf_directly(rec.raw, rec.upstream)
+            if reached and direct:
+                raise ValueError(
+                    f"{type(self).__name__}: guide site '{n}' is a Delta whose value depends both "
+                    f"on random draws ({reached}) and on guide parameters directly; the "
+                    "doubly-reparameterized weights differ along those paths and cannot be "
+                    "applied to the value. Use pyro.infer.RenyiELBO(alpha=0) with this guide."
+                )
+            if not reached:
+                factors[n] = self._param_factor(w)
+                continue
+            self._check_same_scale(n, reached, c)
+            factors[n] = factors[reached[0]]
+        if not uniform:  # conditional links must join draws of one scale
+            for n in draws:
+                rec = records.get(n)
+                if rec is not None and rec.upstream:
+                    hit = set(_reached(rec.raw, rec.upstream)) | set(
+                        _reached(rec.parts[2], rec.upstream)
+                    )
+                    linked = [by_relay[id(rec.upstream[i])] for i in sorted(hit)]
+                    self._check_same_scale(n, linked + [n], c)
+        return factors
+
+    def _check_same_scale(self, name, others, c) -> None:
+        for o in others:
+            if not _same(c[o], c[others[0]]):
+                raise ValueError(
+                    f"{type(self).__name__}: guide site '{name}' depends on guide sites "
+                    f"{others} whose log-densities have different scales inside the "
+                    "log-weights (poutine.scale, or a subsampled plate that does not hold every "
+                    "site); the doubly-reparameterized weight of a path depends on the scale of "
+                    "the draw it ends at, which this estimator cannot apply along a conditional "
+                    "link. Give those sites one scale, or use pyro.infer.RenyiELBO(alpha=0)."
                 )
 
-    def _particle_terms(self, model_trace, guide_trace) -> tuple[float, Terms]:
-        self._check_reparameterized(guide_trace)
-        sites = [s for t in (model_trace, guide_trace) for s in t.nodes.values() if s["type"] == "sample"]
+    def _particle_terms(self, model_trace, guide_trace, blocks=None) -> tuple[float, Terms]:
+        self._check_sites(guide_trace)
+        sites = _sample_sites(model_trace, guide_trace)
         sum_dims = get_dependent_plate_dims(sites)
-        model_lp = {n: _sum_dependent(s["log_prob"], sum_dims) for n, s in model_trace.nodes.items() if s["type"] == "sample"}
+        outer = common_plate_scale(sites)
+        model_sites = {n: s for n, s in model_trace.nodes.items() if s["type"] == "sample"}
         guide_sites = {n: s for n, s in guide_trace.nodes.items() if s["type"] == "sample"}
-        log_w = sum(lp.detach() for lp in model_lp.values()) - sum(
+        log_w = sum(_sum_dependent(s["log_prob"].detach(), sum_dims) for s in model_sites.values())
+        log_w = log_w - sum(
             _sum_dependent(s["log_prob"].detach(), sum_dims) for s in guide_sites.values()
         )
-        log_w = torch.as_tensor(log_w)
+        log_w = torch.as_tensor(log_w) / outer
         K = self.num_particles
         if K > 1:
-            elbo = (torch.logsumexp(log_w, dim=0) - math.log(K)).sum().item()
+            elbo = outer * (torch.logsumexp(log_w, dim=0) - math.log(K)).sum().item()
             w = torch.softmax(log_w, dim=0)
         else:
-            elbo = log_w.sum().item()
+            elbo = outer * log_w.sum().item()
             w = torch.ones_like(log_w)
-        guide_trace._gradroute_weights.factor = self._path_factor(w)
-        gw = self._guide_weight(w)
+        factors = self._site_factors(guide_sites, w, outer)
+        self._factors.pop(guide_trace).by_site.update(factors)
         terms: Terms = {}
-        for name, lp in model_lp.items():
-            add_term(terms, ("model", name), (w * lp).sum())
+        for name, site in model_sites.items():
+            add_term(terms, ("model", name), (w * site["log_prob"]).sum())
         for name, site in guide_sites.items():
-            add_term(terms, ("guide", name), -(gw * _sum_dependent(site["split"].pathwise, sum_dims)).sum())
+            path = site_parts(site)[1].log_prob
+            if torch.is_tensor(path) and path.requires_grad:
+                f = factors.get(name, 1.0)
+                add_term(terms, ("guide", name), -(w * f * path).sum())
         return elbo, terms
 
 
@@ -223,11 +350,15 @@ class ReweightedWakeSleepDReG(TraceDReG_ELBO):
 
     def __init__(self, num_particles: int = 2, vectorize_particles: bool = True, **kwargs):
         if num_particles < 2:
-            raise ValueError("ReweightedWakeSleepDReG needs num_particles > 1 (self-normalized weights)")
-        super().__init__(num_particles=num_particles, vectorize_particles=vectorize_particles, **kwargs)
+            raise ValueError(
+                "ReweightedWakeSleepDReG needs num_particles > 1 (self-normalized weights)"
+            )
+        super().__init__(
+            num_particles=num_particles, vectorize_particles=vectorize_particles, **kwargs
+        )
 
-    def _path_factor(self, w: torch.Tensor) -> torch.Tensor:
-        return 1 - w
+    def _draw_factor(self, w: torch.Tensor, c) -> torch.Tensor:
+        return c * (1 - w)
 
-    def _guide_weight(self, w: torch.Tensor) -> torch.Tensor:
-        return w - w * w
+    def _param_factor(self, w: torch.Tensor):
+        return 0.0  # the wake-phi objective has no gradient through a Delta's value

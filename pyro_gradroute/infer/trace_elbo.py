@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from pyro.distributions.util import is_identically_zero
-from pyro.infer.trace_elbo import _compute_log_r
-from pyro.infer.util import torch_item
+from pyro.infer.util import MultiFrameTensor, get_plate_stacks, torch_item
 
 from .elbo import RoutedELBO, Terms, add_term
 
@@ -48,13 +47,19 @@ class Trace_ELBO(RoutedELBO):
         """The guide site's term whose gradient is taken pathwise (reparameterized sites)."""
         return site["score_parts"].entropy_term
 
-    def _particle_terms(self, model_trace, guide_trace) -> tuple[float, Terms]:
+    def _particle_terms(self, model_trace, guide_trace, blocks=None) -> tuple[float, Terms]:
         elbo = 0.0
         terms: Terms = {}
+        costs = []  # (term key, plate stack, detached log-density): the pieces of log r, as Pyro's
+        stacks = get_plate_stacks(model_trace)
         for name, site in model_trace.nodes.items():
             if site["type"] == "sample":
                 elbo += torch_item(site["log_prob_sum"])
                 add_term(terms, ("model", name), site["log_prob_sum"])
+                costs.append((("model", name), stacks[name], site["log_prob"].detach()))
+                if not site["is_observed"]:
+                    guide_lp = guide_trace.nodes[name]["log_prob"].detach()
+                    costs.append((("guide", name), stacks[name], -guide_lp))
         log_r = None
         for name, site in guide_trace.nodes.items():
             if site["type"] != "sample":
@@ -63,10 +68,16 @@ class Trace_ELBO(RoutedELBO):
             entropy_term = self._entropy_term(site)
             if not is_identically_zero(entropy_term):
                 add_term(terms, ("guide", name), -entropy_term.sum())
-            score_function_term = site["score_parts"].score_function
-            if not is_identically_zero(score_function_term):
-                if log_r is None:
-                    log_r = _compute_log_r(model_trace, guide_trace)
-                r = log_r.sum_to(site["cond_indep_stack"])
-                add_term(terms, ("guide", name), (r * score_function_term).sum())
+            score_function = site["score_parts"].score_function
+            if is_identically_zero(score_function):
+                continue
+            stack = site["cond_indep_stack"]
+            if blocks:  # each cost's REINFORCE piece under its own key, so routes reach it
+                for key, frames, cost in costs:
+                    r = MultiFrameTensor((frames, cost)).sum_to(stack)
+                    add_term(terms, key, (r * score_function).sum())
+                continue
+            if log_r is None:
+                log_r = MultiFrameTensor(*((f, c) for _, f, c in costs))
+            add_term(terms, ("guide", name), (log_r.sum_to(stack) * score_function).sum())
         return elbo, terms

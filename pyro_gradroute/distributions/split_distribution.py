@@ -1,0 +1,207 @@
+"""A guide site's distribution whose parts come from one batched split of the whole guide.
+
+:class:`SplitDistribution` wraps a guide site's distribution. It samples through a
+:class:`~pyro_gradroute.distributions.split.Relay` (a cut point for the pathwise
+products of later, conditional sites) and answers ``log_prob`` / ``score_parts`` at
+its own sample from :class:`SplitBatch`, which evaluates every recorded site of the
+guide run once, in one :func:`~pyro_gradroute.distributions.split.split_score_parts`
+call, the first time any part is asked for. At any other value it is its base
+distribution. Pyro's trace machinery (``Trace.compute_score_parts``) reads the parts
+through the documented ``score_parts`` hook; the estimators read the pathwise parts
+with :meth:`SplitDistribution.split_parts`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from pyro.distributions import TorchDistribution
+from pyro.distributions.score_parts import ScoreParts
+
+from .split import RelayGroup, Relay, SplitNotSupported, preimage_rsample, split_score_parts
+
+_EMPTY = torch.Size()
+
+
+@dataclass(eq=False)
+class SiteRecord:
+    """What the batch knows of one guide site."""
+
+    name: str
+    fn: object
+    value: torch.Tensor | None = None
+    raw: torch.Tensor | None = None  # the sample before its relay (transform caches know it)
+    preimage: torch.Tensor | None = None
+    upstream: list = field(default_factory=list)
+    infer: dict = field(default_factory=dict)
+    split: bool = False
+    parts: tuple | None = None  # (full ScoreParts, pathwise ScoreParts, score tensor)
+
+
+class SplitBatch:
+    """The split parts of one guide run, evaluated together on first use.
+
+    :param needs_split: ``record -> bool``: whether a site's parts are split (else the
+        site is evaluated the ordinary way, with ``fn.score_parts(value)``).
+    :param fallback: ``(record, SplitNotSupported) -> bool``: whether a site that
+        cannot be split is evaluated the ordinary way instead of raising.
+    """
+
+    def __init__(
+        self,
+        needs_split: Callable[[SiteRecord], bool] | None = None,
+        fallback: Callable[[SiteRecord, Exception], bool] | None = None,
+    ):
+        self.group = RelayGroup()
+        self.records: dict[str, SiteRecord] = {}
+        self.needs_split = needs_split
+        self.fallback = fallback
+        self._pending: list[SiteRecord] = []
+        self._rsampled: dict[int, tuple] = {}  # id(relay out) -> (out, raw sample, pre-image)
+
+    def relay(self, value: torch.Tensor, preimage: torch.Tensor | None) -> torch.Tensor:
+        """The relay output the guide continues with (remembering the pre-image)."""
+        out = Relay(value, self.group)
+        self._rsampled[id(out)] = (out, value, preimage)
+        return out
+
+    def register(self, name: str, fn, value, infer=None) -> SiteRecord:
+        """Record a guide sample site after it was sampled (its upstream: earlier relays)."""
+        upstream = [r for r in self.group.outputs if r is not value]
+        pre = self._rsampled.get(id(value))
+        raw, preimage = (pre[1], pre[2]) if pre is not None and pre[0] is value else (value, None)
+        rec = SiteRecord(name, fn, value, raw, preimage, upstream, dict(infer or {}))
+        rec.split = bool(torch.is_tensor(value)) and (
+            self.needs_split is None or self.needs_split(rec)
+        )
+        self.records[name] = rec
+        if rec.split:
+            self._pending.append(rec)
+        return rec
+
+    def parts(self, rec: SiteRecord) -> tuple:
+        """``(full, pathwise, score)`` of a recorded site, evaluating the pending sites once."""
+        if rec.parts is None and rec.split:
+            self._evaluate()
+        if rec.parts is None:  # an ordinary evaluation
+            full = rec.fn.score_parts(rec.raw)
+            rec.parts = (full, ScoreParts(*(_stop(t) for t in full)), full.log_prob)
+        return rec.parts
+
+    def _evaluate(self) -> None:
+        pending, self._pending = self._pending, []
+
+        def on_error(i, err):
+            rec = pending[i]
+            if self.fallback is None or not self.fallback(rec, err):
+                raise SplitNotSupported(f"Guide site '{rec.name}': {err}") from err
+            rec.split = False
+            full = rec.fn.score_parts(rec.raw)
+            return (full, ScoreParts(*(_stop(t) for t in full)), full.log_prob)
+
+        items = [(r.fn, r.value, r.upstream, r.preimage) for r in pending]
+        try:
+            out = split_score_parts(items, group=self.group, on_error=on_error)
+        except ValueError as e:
+            i = getattr(e, "split_index", None)
+            if i is None:
+                raise
+            raise ValueError(
+                f"Error while computing log_prob at site '{pending[i].name}':\n{e}"
+            ) from e
+        for rec, parts in zip(pending, out):
+            rec.parts = parts
+
+
+def _stop(t):
+    return t.detach() if torch.is_tensor(t) else t
+
+
+class SplitDistribution(TorchDistribution):
+    """``base_dist`` whose parts at its own sample come from a :class:`SplitBatch`.
+
+    Sampling, shapes, support and every other attribute are those of ``base_dist``.
+    ``rsample`` goes through a relay (identity in value and gradient). ``log_prob`` and
+    ``score_parts`` at the recorded sample return the *full* parts (the ordinary
+    gradient, exactly as ``base_dist`` would give it); :meth:`split_parts` also gives
+    the pathwise parts. At any other value they are ``base_dist``'s.
+
+    Example::
+
+        >>> import torch, pyro.distributions as dist
+        >>> batch = SplitBatch()
+        >>> loc = torch.tensor(0.3, requires_grad=True)
+        >>> d = SplitDistribution(dist.Normal(loc, 1.0), batch, "z")
+        >>> z = d.rsample()
+        >>> rec = batch.register("z", d.base_dist, z)
+        >>> full, pathwise = d.split_parts(z)
+        >>> bool(full.log_prob == dist.Normal(loc, 1.0).log_prob(z))
+        True
+    """
+
+    arg_constraints: dict = {}
+
+    def __init__(self, base_dist, batch: SplitBatch, name: str):
+        self.base_dist = base_dist
+        self.batch = batch
+        self.name = name
+        super().__init__(base_dist.batch_shape, base_dist.event_shape, validate_args=False)
+
+    def __getattr__(self, name):
+        if name in ("base_dist", "batch", "name"):
+            raise AttributeError(name)
+        return getattr(self.base_dist, name)
+
+    has_rsample = property(lambda self: self.base_dist.has_rsample)  # type: ignore[assignment]
+    has_enumerate_support = property(lambda self: self.base_dist.has_enumerate_support)  # type: ignore[assignment]
+    support = property(lambda self: self.base_dist.support)  # type: ignore[assignment]
+    mean = property(lambda self: self.base_dist.mean)
+    variance = property(lambda self: self.base_dist.variance)
+
+    def rsample(self, sample_shape=_EMPTY):
+        value, pre = preimage_rsample(self.base_dist, sample_shape)
+        return self.batch.relay(value, pre) if value.requires_grad else value
+
+    def sample(self, sample_shape=_EMPTY):
+        return self.base_dist.sample(sample_shape)
+
+    def _record(self, value):
+        rec = self.batch.records.get(self.name)
+        return rec if rec is not None and rec.value is value else None
+
+    def is_split(self, value) -> bool:
+        """Whether the parts at ``value`` are split (else ordinary: not recorded, or fallen back)."""
+        rec = self._record(value)
+        if rec is None or not rec.split:
+            return False
+        self.batch.parts(rec)
+        return rec.split
+
+    def split_parts(self, value) -> tuple[ScoreParts, ScoreParts]:
+        """``(full, pathwise)`` score parts at ``value`` (pathwise: parameters stopped)."""
+        rec = self._record(value)
+        if rec is None:
+            full = self.base_dist.score_parts(value)
+            return full, ScoreParts(*(_stop(t) for t in full))
+        full, path, _ = self.batch.parts(rec)
+        return full, path
+
+    def log_prob(self, value, *args, **kwargs):
+        rec = self._record(value)
+        if rec is None:
+            return self.base_dist.log_prob(value, *args, **kwargs)
+        return self.batch.parts(rec)[0].log_prob
+
+    def score_parts(self, value, *args, **kwargs):
+        rec = self._record(value)
+        if rec is None:
+            return self.base_dist.score_parts(value, *args, **kwargs)
+        return self.batch.parts(rec)[0]
+
+    def enumerate_support(self, expand=True):
+        return self.base_dist.enumerate_support(expand=expand)
+
+    def expand(self, batch_shape, _instance=None):
+        return SplitDistribution(self.base_dist.expand(batch_shape), self.batch, self.name)
