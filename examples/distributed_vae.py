@@ -32,6 +32,7 @@ import torch.distributed as dist
 from pyro import poutine
 from pyro.infer import SVI
 
+from pyro_gradroute.app.models.digits_vae import VAE, load_binarized_digits
 from pyro_gradroute.distributed import (
     DistributedOptimizer,
     ShardedPlate,
@@ -40,7 +41,6 @@ from pyro_gradroute.distributed import (
     init_distributed,
 )
 from pyro_gradroute.infer import Trace_ELBO, TraceSTL_ELBO
-from pyro_gradroute.models.digits_vae import VAE, load_binarized_digits
 
 
 def make_svi(vae: VAE, n_data: int, elbo, optim) -> SVI:

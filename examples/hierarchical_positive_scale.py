@@ -1,7 +1,7 @@
 """A hierarchical model whose positive group scale gets a Gamma or LogNormal factor.
 
 Eight schools (Rubin 1981; the bundled non-centred model
-:mod:`pyro_gradroute.models.eight_schools`): ``mu ~ Normal(0, 5)``,
+:mod:`pyro_gradroute.app.models.eight_schools`): ``mu ~ Normal(0, 5)``,
 ``tau ~ HalfCauchy(5)``, ``theta_j = mu + tau * theta_tilde_j``,
 ``y_j ~ Normal(theta_j, sigma_j)``. AutoNormal puts a
 Normal on ``log tau``; with :class:`~pyro_gradroute.guides.AutoMeanField` one dict
@@ -23,9 +23,9 @@ import torch
 from pyro.infer import SVI, Predictive, Trace_ELBO
 from pyro.infer.autoguide import AutoNormal
 
+from pyro_gradroute.app.models.eight_schools import SIGMA, Y, model
 from pyro_gradroute.guides import AutoMeanField
 from pyro_gradroute.infer import TraceSTL_ELBO
-from pyro_gradroute.models.eight_schools import SIGMA, Y, model
 
 #: all guides start as wide as AutoNormal with init_scale=0.5. A Gamma factor in its own
 #: (concentration, rate) coordinates is ill-conditioned when it starts narrow (AutoNormal's default

@@ -18,8 +18,8 @@ import pyro
 import torch
 from pyro.infer import SVI, RenyiELBO
 
+from pyro_gradroute.app.models.digits_vae import VAE, load_binarized_digits
 from pyro_gradroute.infer import TraceDReG_ELBO
-from pyro_gradroute.models.digits_vae import VAE, load_binarized_digits
 
 
 def train(estimator, K, seed, train_x, epochs, batch_size=128, lr=1e-3):
@@ -42,7 +42,9 @@ def train(estimator, K, seed, train_x, epochs, batch_size=128, lr=1e-3):
 @torch.no_grad()
 def log_likelihood(vae, x, num_samples=1000, chunk=100):
     """Importance-sampled log p(x) per image, mean over ``x`` (the guide is the proposal)."""
-    iwae = RenyiELBO(alpha=0, num_particles=num_samples, vectorize_particles=True, max_plate_nesting=1)
+    iwae = RenyiELBO(
+        alpha=0, num_particles=num_samples, vectorize_particles=True, max_plate_nesting=1
+    )
     total = 0.0
     for i in range(0, len(x), chunk):
         total += -iwae.loss(vae.model, vae.guide, x[i : i + chunk])
@@ -50,7 +52,9 @@ def log_likelihood(vae, x, num_samples=1000, chunk=100):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--epochs", type=int, default=300)
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--Ks", default="8,64")
@@ -69,14 +73,19 @@ def main(argv=None):
                 vae = train(est, K, seed, train_x, args.epochs)
                 ll = log_likelihood(vae, test_x, args.eval_samples)
                 results[est].append(ll)
-                print(f"K={K:3d} seed={seed} {est:4s} held-out log p(x) {ll:8.3f} nats ({time.perf_counter() - t0:.0f}s)", flush=True)
+                print(
+                    f"K={K:3d} seed={seed} {est:4s} held-out log p(x) {ll:8.3f} nats ({time.perf_counter() - t0:.0f}s)",
+                    flush=True,
+                )
         for est, v in results.items():
             t = torch.tensor(v)
             se = (t.std() / len(t) ** 0.5).item() if len(t) > 1 else float("nan")
             print(f"K={K:3d} {est:4s} mean {t.mean().item():8.3f} +/- {se:.3f} nats")
         diff = torch.tensor(results["DReG"]) - torch.tensor(results["IWAE"])
         wins = int((diff > 0).sum())
-        print(f"K={K:3d} paired DReG - IWAE: {diff.mean().item():+.3f} nats, DReG ahead on {wins}/{len(diff)} seeds")
+        print(
+            f"K={K:3d} paired DReG - IWAE: {diff.mean().item():+.3f} nats, DReG ahead on {wins}/{len(diff)} seeds"
+        )
 
 
 if __name__ == "__main__":

@@ -15,8 +15,8 @@ import torch
 from pyro.infer import SVI
 from pyro.infer import Trace_ELBO as PyroTrace_ELBO
 
+from pyro_gradroute.app.models.digits_vae import VAE, load_binarized_digits
 from pyro_gradroute.infer import TraceSTL_ELBO
-from pyro_gradroute.models.digits_vae import VAE, load_binarized_digits
 
 
 def fit(vae, elbo, train, steps, batch_size, seed):
@@ -49,7 +49,9 @@ def main(argv=None):
     for name, elbo in (("Trace_ELBO", PyroTrace_ELBO()), ("TraceSTL_ELBO", TraceSTL_ELBO())):
         t0 = time.perf_counter()
         vae = fit(copy.deepcopy(init), elbo, train, steps, args.batch_size, args.seed)
-        print(f"{name:14s} held-out ELBO {heldout_elbo(vae, test):8.3f} nats/image  ({time.perf_counter() - t0:.1f}s)")
+        print(
+            f"{name:14s} held-out ELBO {heldout_elbo(vae, test):8.3f} nats/image  ({time.perf_counter() - t0:.1f}s)"
+        )
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """An auxiliary label likelihood that shapes the encoder but never trains the decoder.
 
-Digits VAE (``pyro_gradroute.models.digits_vae``) plus a label site
+Digits VAE (``pyro_gradroute.app.models.digits_vae``) plus a label site
 ``y ~ Categorical(logits=classifier(decoder_hidden(z)))`` read from the decoder's first
 hidden layer. Wrapping the model in
 ``block_grad(sites=["y"], modules=["decoder"])`` keeps the label term from the decoder:
@@ -25,8 +25,8 @@ import torch
 from pyro.infer import SVI
 from torch import nn
 
+from pyro_gradroute.app.models.digits_vae import VAE
 from pyro_gradroute.infer import Trace_ELBO
-from pyro_gradroute.models.digits_vae import VAE
 from pyro_gradroute.poutine import block_grad
 
 

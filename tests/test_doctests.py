@@ -24,13 +24,15 @@ NO_EXAMPLES = {
     "pyro_gradroute.diagnostics",
     "pyro_gradroute.diagnostics._arviz",
     "pyro_gradroute.diagnostics.plates",
-    "pyro_gradroute.diagnostics.plots",
     "pyro_gradroute.distributions",
     "pyro_gradroute.guides",
     "pyro_gradroute.infer",
     "pyro_gradroute.infer.elbo",
     "pyro_gradroute.infer.traces",
+    "pyro_gradroute.app",
     "pyro_gradroute.models",
+    "pyro_gradroute.models.digits_vae",
+    "pyro_gradroute.app.plots",
     "pyro_gradroute.poutine",
 }
 

@@ -59,16 +59,40 @@ class GradientStats(dict):
     :ivar num_draws: number of gradient evaluations.
     """
 
-    def __init__(self, stats, guide_params, model_params, num_draws: int):
+    def __init__(self, stats, guide_params, model_params, num_draws: int, draws=None):
         super().__init__(stats)
         self.guide_params = list(guide_params)
         self.model_params = list(model_params)
         self.num_draws = num_draws
+        #: ``{name: (num_draws, *shape) tensor}`` of the gradient draws, with ``keep_draws``
+        self.draws = draws
 
     def snr(self, names=None) -> float:
         """Norm SNR over the parameters ``names`` (default: all)."""
         names = list(self) if names is None else list(names)
         return _norm_snr([self[n] for n in names]) if names else math.nan
+
+    def snr_interval(
+        self, names=None, level: float = 0.68, num_resamples: int = 200, seed: int = 0
+    ) -> tuple[float, float]:
+        """Bootstrap interval (percentiles) of the norm SNR over ``names``: the draws are
+        resampled with replacement ``num_resamples`` times. Needs ``keep_draws=True``;
+        ``(nan, nan)`` without draws or names."""
+        names = list(self) if names is None else list(names)
+        if not names or self.draws is None:
+            return math.nan, math.nan
+        flat = torch.cat([self.draws[n].reshape(self.num_draws, -1) for n in names], 1)
+        g = torch.Generator(device=flat.device).manual_seed(seed)
+        idx = torch.randint(
+            self.num_draws, (num_resamples, self.num_draws), generator=g, device=flat.device
+        )
+        boot = flat[idx]  # (B, D, P)
+        signal = boot.mean(1).pow(2).sum(-1).sqrt()
+        noise = boot.var(1).sum(-1).sqrt()
+        snr = (signal / noise).nan_to_num(nan=0.0, posinf=float("inf"))
+        q = torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=snr.dtype, device=snr.device)
+        lo, hi = torch.quantile(snr, q).tolist()
+        return lo, hi
 
     def to_dataframe(self):
         """A ``pandas.DataFrame``, one row per parameter: role, size, mean |g|, variance, SNR."""
@@ -99,7 +123,14 @@ def _param_names(model, guide, args, kwargs) -> tuple[list[str], list[str]]:
 
 
 def gradient_stats(
-    model, guide, elbo, *args, num_draws: int = 100, seed: int | None = None, **kwargs
+    model,
+    guide,
+    elbo,
+    *args,
+    num_draws: int = 100,
+    seed: int | None = None,
+    keep_draws: bool = False,
+    **kwargs,
 ) -> GradientStats:
     r"""Mean, variance and SNR of ``elbo``'s gradient estimate at the current parameters.
 
@@ -113,6 +144,8 @@ def gradient_stats(
 
     :param elbo: any ELBO with ``loss_and_grads`` (Pyro's or this package's).
     :param num_draws: number of independent gradient evaluations (at least 2).
+    :param keep_draws: keep every draw (``stats.draws``) for
+        :meth:`GradientStats.snr_interval`.
     :raises ValueError: if ``num_draws < 2``.
 
     Example::
@@ -145,6 +178,7 @@ def gradient_stats(
         count = 0
         mean = {n: torch.zeros_like(p, dtype=torch.float64) for n, p in params.items()}
         m2 = {n: torch.zeros_like(p, dtype=torch.float64) for n, p in params.items()}
+        kept: dict[str, list] = {n: [] for n in params}
         try:
             for _ in range(num_draws):
                 for _, p in store.named_parameters():
@@ -156,6 +190,8 @@ def gradient_stats(
                     delta = g - mean[n]
                     mean[n] += delta / count
                     m2[n] += delta * (g - mean[n])
+                    if keep_draws:
+                        kept[n].append(g)
         finally:
             for n, p in store.named_parameters():
                 p.grad = saved.get(n)
@@ -165,6 +201,7 @@ def gradient_stats(
         [n for n in guide_names if n in params],
         [n for n in model_names if n in params],
         num_draws,
+        {n: torch.stack(v) for n, v in kept.items()} if keep_draws else None,
     )
 
 

@@ -39,8 +39,14 @@ def heldout_log_likelihood(
     method: str = "predictive",
     num_samples: int = 200,
     kwargs: dict | None = None,
-) -> float:
+    with_se: bool = False,
+) -> float | tuple[float, float]:
     """Held-out log-likelihood per observation (see module docs).
+
+    :param with_se: also return a standard error: for ``"predictive"`` the standard deviation
+        of the pointwise values over the held-out observations divided by :math:`\\sqrt n` (as
+        ArviZ's ``loo`` reports it); for ``"marginal"`` ``nan`` (one joint estimate).
+    :returns: the value, or ``(value, standard error)`` with ``with_se``.
 
     Example::
 
@@ -61,7 +67,8 @@ def heldout_log_likelihood(
         raise ValueError("heldout_log_likelihood: the model has no observed sites on held-out data")
     if method == "marginal":
         elbo = RenyiELBO(alpha=0.0, num_particles=num_samples, vectorize_particles=True)
-        return -elbo.loss(model, guide, *heldout_args, **kwargs) / n
+        value = -elbo.loss(model, guide, *heldout_args, **kwargs) / n
+        return (value, math.nan) if with_se else value
     if method != "predictive":
         raise ValueError(f"method must be 'predictive' or 'marginal', got {method!r}")
     draws = importance_draws(model, guide, *train_args, num_samples=num_samples, **kwargs)
@@ -69,11 +76,15 @@ def heldout_log_likelihood(
         model, posterior_samples=draws.latent_values(), num_samples=num_samples, parallel=True
     )
     trace = predictive.get_vectorized_trace(*heldout_args, **kwargs)
-    total = 0.0
+    pointwise = []
     for name in observed:
         site = trace.nodes[name]
         log_p = draws.per_draw(
             site["fn"].log_prob(site["value"]), base.nodes[name]["fn"].batch_shape
         )
-        total += float((log_p.logsumexp(0) - math.log(num_samples)).sum())
-    return total / n
+        pointwise.append((log_p.logsumexp(0) - math.log(num_samples)).reshape(-1))
+    values = torch.cat(pointwise).double()
+    value = float(values.sum()) / n
+    if not with_se:
+        return value
+    return value, float(values.std() / math.sqrt(n)) if n > 1 else math.nan

@@ -1,4 +1,4 @@
-r"""Seed scenario 3: ``y = B(A(x))`` with a main loss training A and B and an auxiliary loss
+r"""``y = B(A(x))`` with a main loss training A and B and an auxiliary loss
 that may train A only -- from one forward pass.
 
 .. math::
@@ -14,7 +14,7 @@ same backward pass as the rest (plain-PyTorch version: :func:`pyro_gradroute.rou
 Example::
 
     >>> import pyro
-    >>> from pyro_gradroute.models.nested_networks import problem
+    >>> from pyro_gradroute.app.models.nested_aux_loss import problem
     >>> p = problem()
     >>> tuple(p.args[0].shape), tuple(p.heldout_args[0].shape)
     ((160, 4), (40, 4))
@@ -28,7 +28,7 @@ import torch
 from pyro.infer.autoguide import AutoNormal
 from torch import nn
 
-from .registry import MODELS, Problem
+from .problem import Problem
 
 
 class NestedModel:
@@ -39,7 +39,7 @@ class NestedModel:
         self.B = nn.Linear(hidden, 1)
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor | None = None, aux=None) -> None:
-        from ..poutine import block_grad
+        from ...poutine import block_grad
 
         pyro.module("A", self.A)
         pyro.module("B", self.B)
@@ -71,5 +71,4 @@ def problem() -> Problem:
         var_names=["sigma"],
         steps=400,
         lr=0.02,
-        description=MODELS["nested_networks"][1],
     )

@@ -1,4 +1,4 @@
-r"""Seed scenario 1: Gaussian means whose posterior lies in the guide family.
+r"""Gaussian means whose posterior lies in the guide family.
 
 .. math::
 
@@ -11,7 +11,7 @@ one-evaluation split ``split_log_prob`` (ordinary, score and pathwise parts) was
 
 Example::
 
-    >>> from pyro_gradroute.models.score_pathwise import problem, exact_posterior
+    >>> from pyro_gradroute.app.models.gaussian_means import problem, exact_posterior
     >>> p = problem()
     >>> loc, scale = exact_posterior(p.args[0])
     >>> tuple(loc.shape)
@@ -25,7 +25,7 @@ import pyro.distributions as dist
 import torch
 from pyro.infer.autoguide import AutoNormal
 
-from .registry import MODELS, Problem
+from .problem import Problem
 
 
 def model(x: torch.Tensor) -> None:
@@ -39,7 +39,7 @@ def model(x: torch.Tensor) -> None:
 def exact_posterior(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Posterior mean and standard deviation of ``z`` per dimension."""
     n = x.shape[-2]
-    return x.sum(-2) / (n + 1), torch.full(x.shape[-1:], (n + 1) ** -0.5)
+    return x.sum(-2) / (n + 1), x.new_full(x.shape[-1:], (n + 1) ** -0.5)
 
 
 def simulate(n: int = 20, dims: int = 10, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,5 +59,4 @@ def problem() -> Problem:
         heldout_args=(x_test,),
         steps=500,
         lr=0.05,
-        description=MODELS["score_pathwise"][1],
     )

@@ -12,7 +12,7 @@ dreg     ``pyro_gradroute.infer.TraceDReG_ELBO``              IWAE bound, doubly
 
 Example::
 
-    >>> from pyro_gradroute.diagnostics.estimators import make_elbo
+    >>> from pyro_gradroute.app.estimators import make_elbo
     >>> type(make_elbo("stl", num_particles=4)).__name__
     'TraceSTL_ELBO'
 """
@@ -22,13 +22,9 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-#: name -> (module, class, fixed keyword arguments, one-line description)
-ESTIMATORS: dict[str, tuple[str, str, dict, str]] = {
-    "trace": ("pyro_gradroute.infer", "Trace_ELBO", {}, "ELBO, reparameterized gradient"),
-    "stl": ("pyro_gradroute.infer", "TraceSTL_ELBO", {}, "ELBO, sticking the landing"),
-    "iwae": ("pyro.infer", "RenyiELBO", {"alpha": 0.0}, "IWAE bound (Pyro's RenyiELBO(alpha=0))"),
-    "dreg": ("pyro_gradroute.infer", "TraceDReG_ELBO", {}, "IWAE bound, doubly reparameterized"),
-}
+from .catalog import ESTIMATORS
+
+__all__ = ["ESTIMATORS", "available_estimators", "make_elbo"]
 
 
 def _load(name: str) -> type | None:

@@ -1,7 +1,9 @@
 """PNG plots of a comparison (matplotlib's Agg backend; no display needed).
 
-* ``loss_curves.png``: each estimator's training loss per step (moving average);
-* ``gradient_snr.png``: norm SNR of the gradient for guide and model parameters, per estimator;
+* ``loss_curves.png``: each estimator's training loss per step (moving average; the window is
+  stated on the axis);
+* ``gradient_snr.png``: norm SNR of the gradient for guide and model parameters, per estimator,
+  with bootstrap error bars (68% interval over the gradient draws);
 * ``forest.png``: ArviZ forest plot of the fitted guides' posteriors, one colour per estimator.
 """
 
@@ -13,7 +15,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ._arviz import import_arviz
+from ..diagnostics._arviz import import_arviz
 
 
 def _pyplot():
@@ -32,22 +34,32 @@ def _smooth(x: Sequence[float], width: int) -> np.ndarray:
     return np.convolve(x, np.ones(width) / width, mode="valid")
 
 
+def smoothing_window(results) -> int:
+    """Steps in the loss plot's moving average: 1/50 of the longest run, at least 1."""
+    return max(1, max((len(r.losses) for r in results), default=0) // 50)
+
+
 def plot_losses(results, path: str) -> str:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
     lows, highs = [], []
+    width = smoothing_window(results)
     for r in results:
-        y = _smooth(r.losses, max(1, len(r.losses) // 50))
-        ax.plot(np.arange(len(y)) + (len(r.losses) - len(y)), y, label=r.name)
+        y = _smooth(r.losses, width)
+        label = f"{r.name} (diverged at step {r.diverged_at})" if r.diverged else r.name
+        ax.plot(np.arange(len(y)) + (len(r.losses) - len(y)), y, label=label)
+        y = y[np.isfinite(y)]
         if len(y):
             lows.append(np.min(y))
             highs.append(np.percentile(y, 90))
-    if lows:
+    if lows and max(highs) < 1e300:
         pad = 0.05 * (max(highs) - min(lows) or 1.0)
         ax.set_ylim(min(lows) - pad, max(highs) + pad)
     # the y range ends at the 90th percentile so that the late steps, where estimators
     # differ, are readable; the first steps (largest losses) may leave the chart
-    ax.set(xlabel="step", ylabel="loss (moving average; early steps may be off-chart)", title="Training loss")
+    avg = f"moving average over {width} steps" if width > 1 else "every step, not smoothed"
+    ax.set(xlabel="step", ylabel="loss (summed over the data)",
+           title=f"Training loss ({avg}; early steps may be off-chart)")  # fmt: skip
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -60,15 +72,25 @@ def plot_snr(results, path: str) -> str:
     fig, ax = plt.subplots(figsize=(7, 4))
     x = np.arange(len(results))
     series = []  # only the parameter groups the model has (e.g. no model params: no empty bars)
-    for label, attr in [("guide params", "snr_guide"), ("model params", "snr_model")]:
+    for label, attr, group in [("guide params", "snr_guide", "guide_params"),
+                               ("model params", "snr_model", "model_params")]:  # fmt: skip
         vals = [getattr(r, attr) for r in results]
         if any(v is not None and math.isfinite(v) for v in vals):
-            series.append((label, [v if v is not None and math.isfinite(v) else 0.0 for v in vals]))
+            bars = [v if v is not None and math.isfinite(v) else 0.0 for v in vals]
+            errs = np.zeros((2, len(results)))
+            for j, r in enumerate(results):
+                if r.grads is not None and math.isfinite(bars[j]):
+                    lo, hi = r.grads.snr_interval(getattr(r.grads, group))
+                    if math.isfinite(lo) and math.isfinite(hi):
+                        errs[:, j] = [max(0.0, bars[j] - lo), max(0.0, hi - bars[j])]
+            series.append((label, bars, errs))
     width = 0.76 / max(1, len(series))
-    for i, (label, vals) in enumerate(series):
-        ax.bar(x + (i - (len(series) - 1) / 2) * width, vals, width=width, label=label)
+    for i, (label, vals, errs) in enumerate(series):
+        ax.bar(x + (i - (len(series) - 1) / 2) * width, vals, width=width, label=label,
+               yerr=errs, capsize=3)  # fmt: skip
     ax.set_xticks(x, [r.name for r in results])
-    ax.set(ylabel="gradient SNR  |mean| / sd", title="Gradient signal-to-noise at the fit")
+    ax.set(ylabel="gradient SNR  |mean| / sd",
+           title="Gradient signal-to-noise at the fit (bars: 68% bootstrap interval)")  # fmt: skip
     if series:
         ax.legend()
     fig.tight_layout()
@@ -114,6 +136,9 @@ def _matplotlib_forest(idatas, names, var_names):
 def plot_forest(results, path: str, var_names=None) -> str:
     """ArviZ's forest plot of every estimator's guide draws (matplotlib fallback on ArviZ 1.x)."""
     plt = _pyplot()
+    results = [r for r in results if r.idata is not None]  # diverged fits have no draws
+    if not results:
+        return None
     idatas = [r.idata for r in results]
     names = [r.name for r in results]
     fig = _arviz_forest(idatas, names, var_names) or _matplotlib_forest(idatas, names, var_names)
@@ -129,10 +154,12 @@ def _num_rows(idata, var_names) -> int:
 
 
 def write_plots(results, out_dir: str, var_names=None) -> list[str]:
-    """Write the three PNGs into ``out_dir`` (created) and return their paths."""
+    """Write the three PNGs into ``out_dir`` (created) and return their paths (no forest plot
+    when no fit finished)."""
     os.makedirs(out_dir, exist_ok=True)
-    return [
+    paths = [
         plot_losses(results, os.path.join(out_dir, "loss_curves.png")),
         plot_snr(results, os.path.join(out_dir, "gradient_snr.png")),
         plot_forest(results, os.path.join(out_dir, "forest.png"), var_names),
     ]
+    return [p for p in paths if p is not None]

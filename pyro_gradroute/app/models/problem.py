@@ -1,4 +1,4 @@
-"""Named problems for ``pyro-gradroute compare``: bundled models and ``module:function`` ones.
+"""Problems for ``pyro-gradroute compare``: bundled ones by name, a user's as ``module:function``.
 
 A *problem* is a model, a fresh guide and the data, as a :class:`Problem` or a plain dict with
 the same keys. A user's own problem is a zero-argument function returning one, named on the
@@ -8,9 +8,7 @@ seeding, so that it builds the same fresh guide (and networks) every time.
 
 Example::
 
-    >>> from pyro_gradroute.models.registry import load_problem, MODELS
-    >>> sorted(MODELS)[:3]
-    ['digits_vae', 'eight_schools', 'logistic_regression']
+    >>> from pyro_gradroute.app.models.problem import load_problem
     >>> problem = load_problem("eight_schools")
     >>> problem.heldout_args is None
     True
@@ -75,37 +73,10 @@ class Problem:
             )
 
 
-#: bundled problems: name -> ("module:function", description)
-MODELS: dict[str, tuple[str, str]] = {
-    "logistic_regression": (
-        "pyro_gradroute.models.logistic_regression:problem",
-        "Bayesian logistic regression, breast-cancer data (30 features), 20% held out",
-    ),
-    "eight_schools": (
-        "pyro_gradroute.models.eight_schools:problem",
-        "Eight schools, non-centred; AutoMeanField guide with a Gamma factor for tau",
-    ),
-    "digits_vae": (
-        "pyro_gradroute.models.registry:digits_vae_problem",
-        "VAE on binarized 8x8 digits (scikit-learn), 20% held out",
-    ),
-    "score_pathwise": (
-        "pyro_gradroute.models.score_pathwise:problem",
-        "seed 1: Gaussian means, guide family contains the posterior (STL's best case)",
-    ),
-    "swap_family": (
-        "pyro_gradroute.models.swap_family:problem",
-        "seed 2: a Gamma factor fitted to a Normal(5, 5) target",
-    ),
-    "nested_networks": (
-        "pyro_gradroute.models.nested_networks:problem",
-        "seed 3: y = B(A(x)), auxiliary loss blocked from B with block_grad",
-    ),
-}
-
-
 def _available() -> str:
-    return ", ".join(sorted(MODELS))
+    from ..catalog import MODEL_DESCRIPTIONS
+
+    return ", ".join(MODEL_DESCRIPTIONS)
 
 
 def _import_function(path: str) -> Callable:
@@ -147,7 +118,7 @@ def as_problem(obj: Any, where: str = "problem") -> Problem:
         raise TypeError(
             f"{where} must return a dict with keys 'model', 'guide', 'args' (optional: "
             f"{', '.join(f.name for f in fields(Problem)[3:])}) or a "
-            f"pyro_gradroute.models.registry.Problem; got {type(obj).__name__}"
+            f"pyro_gradroute.app.models.Problem; got {type(obj).__name__}"
         )
     known = {f.name for f in fields(Problem)}
     unknown = sorted(set(obj) - known)
@@ -169,34 +140,17 @@ def load_problem(name: str) -> Problem:
     :raises ValueError: for an unknown name, an unimportable module or a missing function,
         listing what exists.
     """
-    if name in MODELS:
-        path = MODELS[name][0]
-    elif ":" in name:
-        path = name
-    else:
+    from ..catalog import MODEL_DESCRIPTIONS
+
+    if name in MODEL_DESCRIPTIONS:
+        from . import MODELS
+
+        problem = as_problem(MODELS[name](), where=name)
+        problem.description = problem.description or MODEL_DESCRIPTIONS[name]
+        return problem
+    if ":" not in name:
         raise ValueError(
             f"Unknown model {name!r}. Bundled models: {_available()}; or name your own as "
             "'module:function' (a function returning a dict with model, guide, args)."
         )
-    return as_problem(_import_function(path)(), where=path)
-
-
-def digits_vae_problem() -> Problem:
-    """The bundled digits VAE (:mod:`pyro_gradroute.models.digits_vae`) as a problem."""
-    from .digits_vae import VAE, load_binarized_digits
-
-    train, test = load_binarized_digits()
-    vae = VAE()
-    return Problem(
-        model=vae.model,
-        guide=vae.guide,
-        args=(train,),
-        heldout_args=(test,),
-        heldout="marginal",
-        diag_args=(test[:4],),
-        var_names=["z"],
-        steps=300,
-        lr=3e-3,
-        num_particles=8,
-        description=MODELS["digits_vae"][1],
-    )
+    return as_problem(_import_function(name)(), where=name)

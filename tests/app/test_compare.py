@@ -3,8 +3,8 @@ import math
 import pyro.distributions as dist
 import pytest
 
-from pyro_gradroute.diagnostics.compare import compare_estimators, format_table
-from pyro_gradroute.models.registry import MODELS, load_problem
+from pyro_gradroute.app.compare import compare_estimators, format_table
+from pyro_gradroute.app.models import MODELS, load_problem
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
@@ -16,8 +16,8 @@ def test_every_bundled_model_runs_through_compare(name):
     assert format_table([r]).splitlines()[2].startswith("stl")
 
 
-def test_swap_family_changes_one_argument():
-    from pyro_gradroute.models.swap_family import problem
+def test_gamma_to_normal_changes_one_argument():
+    from pyro_gradroute.app.models.gamma_to_normal import problem
 
     for family in (dist.Gamma, dist.LogNormal, dist.Normal):
         assert isinstance(problem(family).guide.q(), family)
@@ -28,23 +28,25 @@ def test_swap_family_changes_one_argument():
 def test_suggest_prefers_heldout_and_flags_unreliable_guides():
     from types import SimpleNamespace
 
-    from pyro_gradroute.diagnostics.compare import suggest
+    from pyro_gradroute.app.compare import suggest
     from pyro_gradroute.diagnostics.psis import PSISResult
 
     def row(name, heldout, log_px, k):
-        return SimpleNamespace(name=name, heldout_ll=heldout, log_px=log_px, khat=PSISResult(k))
+        return SimpleNamespace(name=name, heldout_ll=heldout, log_px=log_px, khat=PSISResult(k),
+                               heldout_ll_se=0.01, log_px_se=0.01, diverged=False)  # fmt: skip
 
     line = suggest([row("trace", -1.2, -5.0, 0.3), row("stl", -1.1, -9.0, 0.9)])
-    assert line.startswith("best held-out log-likelihood: stl") and "richer guide" not in line
+    assert line.startswith("best held-out log-likelihood: stl") and "correlations" not in line
     line = suggest([row("trace", None, -5.0, 0.8), row("stl", None, -9.0, 0.9)])
-    assert line.startswith("best log p(x) estimate: trace") and "richer guide" in line
+    assert line.startswith("best log p(x) estimate: trace") and "AutoMultivariateNormal" in line
+    assert "AutoMeanField" not in line  # mean-field, like AutoNormal: not a richer family
     # without held-out data, an unreliable importance estimate does not win
     line = suggest([row("trace", None, -5.0, 0.9), row("stl", None, -6.0, 0.6)])
     assert line.startswith("best log p(x) estimate among guides with k-hat <= 0.7: stl")
 
 
 def test_forest_fallback_without_arviz_plotting(tmp_path, monkeypatch):
-    from pyro_gradroute.diagnostics import plots
+    from pyro_gradroute.app import plots
 
     rows = compare_estimators("eight_schools", ["trace", "stl"], steps=2, snr_draws=2,
                               num_samples=20, progress=False)  # fmt: skip

@@ -8,7 +8,7 @@ r"""Eight schools (Rubin 1981), non-centred:
 Example::
 
     >>> import pyro
-    >>> from pyro_gradroute.models.eight_schools import model, SIGMA, Y
+    >>> from pyro_gradroute.app.models.eight_schools import model, SIGMA, Y
     >>> tr = pyro.poutine.trace(model).get_trace(SIGMA, Y)
     >>> tr.nodes["theta_tilde"]["value"].shape
     torch.Size([8])
@@ -20,7 +20,7 @@ import pyro
 import pyro.distributions as dist
 import torch
 
-from .registry import MODELS, Problem
+from .problem import Problem
 
 SCHOOLS = ["Choate", "Deerfield", "Phillips Andover", "Phillips Exeter", "Hotchkiss",
            "Lawrenceville", "St. Paul's", "Mt. Hermon"]  # fmt: skip
@@ -41,7 +41,7 @@ def model(sigma: torch.Tensor, y: torch.Tensor | None = None) -> None:
 def problem() -> Problem:
     """The bundled problem: a mean-field guide with a Gamma factor for ``tau`` (AutoNormal's
     treatment for the other sites, all started at ``init_scale=0.5``), no held-out data."""
-    from ..guides import AutoMeanField
+    from ...guides import AutoMeanField
 
     return Problem(
         model=model,
@@ -53,5 +53,4 @@ def problem() -> Problem:
         var_names=["mu", "tau", "theta"],
         steps=1000,
         lr=0.02,
-        description=MODELS["eight_schools"][1],
     )

@@ -1,4 +1,4 @@
-r"""Seed scenario 2: fit a Gamma factor to a Normal(5, 5) target, with the unchanged SVI loop.
+r"""Fit a Gamma factor to a Normal(5, 5) target, with the unchanged SVI loop.
 
 .. math::
 
@@ -15,7 +15,7 @@ which the PSIS k-hat reports.
 Example::
 
     >>> import pyro, pyro.distributions as dist
-    >>> from pyro_gradroute.models.swap_family import problem
+    >>> from pyro_gradroute.app.models.gamma_to_normal import problem
     >>> p = problem(dist.LogNormal)
     >>> type(p.guide.q()).__name__
     'LogNormal'
@@ -26,7 +26,7 @@ from __future__ import annotations
 import pyro
 import pyro.distributions as dist
 
-from .registry import MODELS, Problem
+from .problem import Problem
 
 INIT = {
     dist.Gamma: {"concentration": 2.0, "rate": 0.5},
@@ -44,11 +44,11 @@ class FamilyGuide:
     """Guide ``x ~ family(...)`` whose arguments are constrained param-store parameters."""
 
     def __init__(self, family: type = dist.Gamma) -> None:
-        from ..guides import ParametrizedDistribution
+        from ...guides import ParametrizedDistribution
 
         if family not in INIT:
             raise ValueError(
-                f"swap_family: no initial values for {family.__name__}; "
+                f"gamma_to_normal: no initial values for {family.__name__}; "
                 f"choose one of {[f.__name__ for f in INIT]}"
             )
         self.q = ParametrizedDistribution("q", family, **INIT[family])
@@ -64,5 +64,4 @@ def problem(family: type = dist.Gamma) -> Problem:
         guide=FamilyGuide(family),
         steps=400,
         lr=0.05,
-        description=MODELS["swap_family"][1],
     )

@@ -10,7 +10,7 @@ with standardized features (training statistics) and a seeded 80/20 train/held-o
 Example::
 
     >>> import pyro
-    >>> from pyro_gradroute.models.logistic_regression import problem
+    >>> from pyro_gradroute.app.models.logistic_regression import problem
     >>> p = problem()
     >>> X, y = p.args
     >>> tuple(X.shape), tuple(p.heldout_args[0].shape)
@@ -24,7 +24,7 @@ import pyro.distributions as dist
 import torch
 from pyro.infer.autoguide import AutoNormal
 
-from .registry import MODELS, Problem
+from .problem import Problem
 
 
 def load_breast_cancer_split(test_fraction: float = 0.2, seed: int = 0):
@@ -68,5 +68,4 @@ def problem() -> Problem:
         var_names=["b", "w"],
         steps=600,
         lr=0.05,
-        description=MODELS["logistic_regression"][1],
     )

@@ -1,0 +1,37 @@
+"""Names and one-line descriptions of the bundled problems and estimators, importable without
+torch (``pyro-gradroute list`` and ``--help`` read them).
+
+:data:`pyro_gradroute.app.models.MODELS` holds the problem functions under the same names (a
+test checks that the two agree).
+
+Example::
+
+    >>> from pyro_gradroute.app.catalog import MODEL_DESCRIPTIONS
+    >>> "gaussian_means" in MODEL_DESCRIPTIONS
+    True
+"""
+
+#: bundled problem name -> one-line description
+MODEL_DESCRIPTIONS: dict[str, str] = {
+    "logistic_regression": (
+        "Bayesian logistic regression, breast-cancer data (30 features), 20% held out"
+    ),
+    "eight_schools": "Eight schools, non-centred; AutoMeanField guide with a Gamma factor for tau",
+    "digits_vae": "VAE on binarized 8x8 digits (scikit-learn), 20% held out",
+    "gaussian_means": (
+        "Gaussian means; the guide family contains the posterior (STL's zero-variance case)"
+    ),
+    "gamma_to_normal": "a Gamma guide fitted to a Normal(5, 5) target it cannot cover",
+    "nested_aux_loss": "y = B(A(x)); an auxiliary loss kept from B with block_grad",
+}
+
+#: estimator name -> (module, class, fixed keyword arguments, one-line description)
+ESTIMATORS: dict[str, tuple[str, str, dict, str]] = {
+    "trace": ("pyro_gradroute.infer", "Trace_ELBO", {}, "ELBO, reparameterized gradient"),
+    "stl": ("pyro_gradroute.infer", "TraceSTL_ELBO", {}, "ELBO, sticking the landing"),
+    "iwae": ("pyro.infer", "RenyiELBO", {"alpha": 0.0}, "IWAE bound (Pyro's RenyiELBO(alpha=0))"),
+    "dreg": ("pyro_gradroute.infer", "TraceDReG_ELBO", {}, "IWAE bound, doubly reparameterized"),
+}
+
+DEFAULT_MODEL = "logistic_regression"
+DEFAULT_ESTIMATORS = ("trace", "stl", "iwae", "dreg")
