@@ -26,7 +26,10 @@ a parameter it is blocked from; otherwise one plain ``backward`` with no overhea
 
 Public API: :func:`backward` (accumulate into ``.grad``), :func:`grad` (return
 gradients) and :func:`gate` (a tensor equal to a term whose backward skips chosen
-parameters, for code that must hand a single loss tensor to someone else).
+parameters, for code that must hand a single loss tensor to someone else). All three
+are first order: their gradients carry no graph (``gate`` raises under
+``create_graph=True``), because second derivatives that hold the blocked parameters
+constant need a forward pass in which they are detached.
 """
 
 from __future__ import annotations
@@ -318,9 +321,25 @@ def backward(
         )
 
 
+def _as_inputs(inputs) -> list[torch.Tensor]:
+    """``inputs`` as torch.autograd.grad takes them: one tensor, or an iterable of tensors."""
+    if torch.is_tensor(inputs):
+        return [inputs]
+    if isinstance(inputs, (str, bytes, Mapping)) or not isinstance(inputs, Iterable):
+        raise TypeError(
+            "routing.grad: inputs must be a tensor or a sequence of tensors, got "
+            f"{type(inputs).__name__}"
+        )
+    out = list(inputs)
+    bad = [f"{j}: {type(x).__name__}" for j, x in enumerate(out) if not torch.is_tensor(x)]
+    if bad:
+        raise TypeError(f"routing.grad: inputs must all be tensors; not tensors: {bad}")
+    return out
+
+
 def grad(
     terms: Mapping[Hashable, torch.Tensor],
-    inputs: Sequence[torch.Tensor],
+    inputs: torch.Tensor | Sequence[torch.Tensor],
     block: Block | None = None,
     *,
     retain_graph: bool | None = None,
@@ -330,7 +349,13 @@ def grad(
 
     ``result[j] = sum over terms k with inputs[j] not blocked for k of d terms[k] / d inputs[j]``;
     zeros where no allowed term reaches ``inputs[j]``. One ``torch.autograd.grad`` call per
-    distinct set of allowed terms among ``inputs``.
+    distinct set of allowed terms among ``inputs``. As in ``torch.autograd.grad``,
+    ``inputs`` may be a single tensor (the result is then a tuple of one); anything else
+    that is not an iterable of tensors raises ``TypeError``.
+
+    First order: the gradients carry no graph (there is no ``create_graph``), since a
+    differentiable routed gradient would need the blocked parameters detached in the
+    forward pass to get the mixed partials right. The same holds for :func:`backward`.
 
     Example::
 
@@ -342,7 +367,7 @@ def grad(
         >>> routing.grad({"l1": y, "l2": 10 * y}, [a, b], block={"l2": [b]})
         (tensor(33.), tensor(2.))
     """
-    inputs = list(inputs)
+    inputs = _as_inputs(inputs)
     _check_keys(terms, block, strict)
     terms = _differentiable(terms)
     resolved = {k: set(_resolve(block[k], k)) if block and block.get(k) else set() for k in terms}
@@ -366,32 +391,116 @@ def grad(
     return tuple(torch.zeros_like(x) if g is None else g for x, g in zip(inputs, out))
 
 
-class _Gate(torch.autograd.Function):
-    """Identity in value; backward sends ``grad_out * d term / d leaf`` to the allowed leaves only.
+def _will_execute(node) -> bool:
+    """Whether the backward pass now running will run (or capture at) ``node``."""
+    try:
+        return bool(torch._C._will_engine_execute_node(node))
+    except RuntimeError:  # an input leaf of torch.autograd.grad: it is captured
+        return True
 
-    The term (with its graph) travels in a tuple so autograd does not see it as an input:
-    the gate's only graph edges go to the allowed leaves. On the CPU engine nodes run in
-    decreasing creation order, so this node (created after the term's graph) runs before
-    any shared upstream node frees its saved tensors.
+
+def _no_grad_in_no_grad_out(grad_inputs, grad_outputs):
+    """Node post-hook: a custom Function sent no gradient sends none (not materialized zeros)."""
+    if all(g is None for g in grad_outputs):
+        return tuple(None for _ in grad_inputs)
+    return None
+
+
+_HOOKED = "_gradroute_no_grad_hook"
+
+
+def _skip_none_in_term_hooks(term: torch.Tensor) -> None:
+    """Hooks on the term itself are not called when no gradient reaches it (a full backward
+    sends none into the term's graph; e.g. Pyro's NaN-check hooks do not accept ``None``)."""
+    hooks = getattr(term, "_backward_hooks", None)
+    if not hooks:
+        return
+    for key, hook in list(hooks.items()):
+        if getattr(hook, _HOOKED, False):
+            continue
+
+        def safe(g, _hook=hook):
+            return None if g is None else _hook(g)
+
+        setattr(safe, _HOOKED, True)
+        hooks[key] = safe
+
+
+class _GatePlan:
+    """What one gate's backward needs: its term's graph, and which leaves it may reach."""
+
+    def __init__(self, graph: _Graph, allowed: list, blocked_nodes: list):
+        self.graph = graph
+        self.allowed = allowed  # [(leaf, AccumulateGrad node)]
+        self.blocked_nodes = blocked_nodes
+
+    def check_no_intermediate_captured(self) -> None:
+        """Raise if this pass captures a non-leaf tensor of the term's graph (see :func:`gate`)."""
+        g = self.graph
+        if all(_will_execute(n) for n in g.leaf):  # a full backward: no captures
+            return
+        for node, kids in g.children.items():
+            if node in g.leaf or not _will_execute(node):
+                continue
+            if not any(_will_execute(k) for k in kids):
+                raise RuntimeError(
+                    "routing.gate: this backward pass asks both for a blocked leaf and for an "
+                    f"intermediate (non-leaf) tensor of the gated term (at {type(node).__name__}). "
+                    "One pass cannot give the intermediate dL/dh while keeping the term from the "
+                    "blocked leaf. Ask for the intermediate in a separate torch.autograd.grad "
+                    "call that does not include the blocked leaves, or use routing.grad."
+                )
+
+
+class _Gate(torch.autograd.Function):
+    """Identity in value. The term is a real input (so the engine keeps its graph and runs
+    this node before any node of it); backward, depending on the pass:
+
+    * the pass reaches no blocked leaf (``torch.autograd.grad`` / ``backward(inputs=...)``
+      without them): the seed goes on into the term's graph, unchanged (exact for every
+      requested tensor, leaf or not, and no extra pass);
+    * otherwise: ``seed * d term / d leaf`` straight to the allowed leaves the pass needs
+      (one re-entrant ``torch.autograd.grad``), and *no* gradient into the term's graph, so
+      a leaf reached only through it gets none at all.
     """
 
     @staticmethod
-    def forward(ctx, value, graph, *leaves):  # type: ignore[override]
-        ctx.term = graph[0]
-        ctx.leaves = leaves
-        return value.clone()
+    def forward(ctx, plan, term, *leaves):  # type: ignore[override]
+        ctx.plan, ctx.term = plan, term
+        ctx.set_materialize_grads(False)
+        return term.detach().clone()
 
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
-        grads = torch.autograd.grad(
-            ctx.term,
-            ctx.leaves,
-            grad_out,
-            retain_graph=True,
-            create_graph=torch.is_grad_enabled(),  # on under create_graph=True: higher orders
-            allow_unused=True,
-        )
-        return (None, None, *grads)
+        plan = ctx.plan
+        nones = (None,) * len(plan.allowed)
+        if grad_out is None:  # nothing flows in (an outer gate cut this path)
+            return (None, None, *nones)
+        if torch.is_grad_enabled():
+            raise NotImplementedError(
+                "routing.gate is first-order only: under create_graph=True the gated term's "
+                "second derivatives would include the blocked parameters' mixed partials "
+                "(gate(L, [b]) means L with b held constant). For first-order routed "
+                "gradients use routing.backward / routing.grad; for higher derivatives, "
+                "differentiate a forward pass with the blocked parameters detached, or use "
+                "plain autograd without routes."
+            )
+        if not any(_will_execute(n) for n in plan.blocked_nodes):
+            return (None, grad_out, *nones)
+        plan.check_no_intermediate_captured()
+        wanted = [j for j, (_, n) in enumerate(plan.allowed) if _will_execute(n)]
+        out: list = list(nones)
+        if wanted:
+            gs = torch.autograd.grad(
+                ctx.term,
+                [plan.allowed[j][0] for j in wanted],
+                grad_out,
+                retain_graph=True,
+                allow_unused=True,
+            )
+            for j, g in zip(wanted, gs):
+                out[j] = g
+        return (None, None, *out)
 
 
 def gate(
@@ -404,10 +513,29 @@ def gate(
         \frac{\partial\, \text{gate}(L)}{\partial \theta} =
         \begin{cases} \partial L / \partial \theta & \theta \notin \text{blocked} \\
         0 & \theta \in \text{blocked} \end{cases}
+        \qquad
+        \frac{\partial\, \text{gate}(L)}{\partial h} = \frac{\partial L}{\partial h}
+        \quad (h \text{ a non-leaf tensor of } L\text{'s graph})
 
-    Slower than :func:`backward` (the term's graph is traversed once more inside the
-    gate's backward), but it is a single tensor: use it when a loss must be handed to
-    code that calls ``.backward()`` itself. Works with ``retain_graph=False``.
+    i.e. :math:`L` with the blocked leaves held constant. Slower than :func:`backward`
+    (the term's graph is traversed once more inside the gate's backward), but it is a
+    single tensor: use it when a loss must be handed to code that calls ``.backward()``
+    itself.
+
+    * The term is a real autograd input of the gate: it relies on no engine schedule
+      (CPU or CUDA) and works with ``retain_graph=False`` and with graphs shared with
+      other terms.
+    * A blocked leaf reached only through gated terms gets **no** gradient (``.grad``
+      stays ``None``), not a zero or a round-off residue.
+    * ``torch.autograd.grad`` with respect to non-leaf tensors gives ``dL/dh``; a single
+      call that asks for both such a tensor and a blocked leaf raises ``RuntimeError``
+      where it can tell (not when the tensor also lies on the path to an asked-for leaf).
+    * In a full ``backward()`` no gradient enters the term's graph through the gate:
+      ``retain_grad()`` intermediates below it do not include the gated term, hooks
+      registered on ``term`` itself are skipped, and PyTorch calls hooks on tensors below
+      it with ``None`` (as for any path that carries no gradient).
+    * First order only: its backward raises ``NotImplementedError`` under
+      ``create_graph=True``.
 
     Example::
 
@@ -421,10 +549,23 @@ def gate(
     if not (torch.is_tensor(term) and term.requires_grad):
         return term
     blocked_set = set(_resolve(blocked, "gate"))
-    leaves = reachable_leaves(term)
-    allowed = [p for p in leaves if p not in blocked_set]
-    if len(allowed) == len(leaves):
+    if term.grad_fn is None:  # the term is a leaf
+        return term.detach() if term in blocked_set else term
+    graph = _Graph([term])
+    leaves = graph.leaves(set(graph.children))
+    blocked_nodes = [n for p, n in leaves.items() if p in blocked_set]
+    if not blocked_nodes:
         return term
-    if not allowed:
-        return term.detach()
-    return _Gate.apply(term.detach(), (term,), *allowed)
+    allowed = [(p, n) for p, n in leaves.items() if p not in blocked_set]
+    # PyTorch calls a custom Function with zeros where no gradient flows in: that would
+    # hand blocked leaves a zero .grad. Such nodes above a blocked leaf send none instead.
+    above_blocked = graph.coreach(blocked_nodes)
+    for node in above_blocked:
+        if isinstance(node, torch.autograd.function.BackwardCFunction) and not getattr(
+            node, _HOOKED, False
+        ):
+            node.register_hook(_no_grad_in_no_grad_out)
+            setattr(node, _HOOKED, True)
+    _skip_none_in_term_hooks(term)
+    plan = _GatePlan(graph, allowed, blocked_nodes)
+    return _Gate.apply(plan, term, *(p for p, _ in allowed))

@@ -37,8 +37,9 @@ class GatedDistribution(TorchDistribution):
         >>> loc = torch.tensor(0.0, requires_grad=True)
         >>> spec = BlockSpec(frozenset({"x"}), (), (loc,))
         >>> d = GatedDistribution(dist.Normal(loc, 1.0), [spec])
-        >>> d.log_prob(torch.tensor(1.0)).requires_grad
-        False
+        >>> d.log_prob(torch.tensor(1.0)).backward()
+        >>> loc.grad is None  # the only parameter is blocked: no gradient at all
+        True
     """
 
     arg_constraints: dict = {}

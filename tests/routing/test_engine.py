@@ -157,7 +157,8 @@ def test_gate_passthrough_and_detach():
     a = torch.tensor(2.0, requires_grad=True)
     t = a * 3
     assert routing.gate(t, [torch.ones(1, requires_grad=True)]) is t
-    assert not routing.gate(t, [a]).requires_grad
+    (g,) = torch.autograd.grad(routing.gate(t, [a]), [t])  # fully blocked: still dL/dt
+    assert g == 1.0 and a.grad is None
     c = torch.tensor(1.0)
     assert routing.gate(c, [a]) is c
 
@@ -192,14 +193,6 @@ def test_nan_term_warns(seed_net):
     terms["loss2"] = terms["loss2"] * float("nan")
     with pytest.warns(UserWarning, match="'loss2' is NaN"):
         routing.backward(terms, block={"loss2": [B]})
-
-
-def test_gate_second_derivative():
-    a = torch.tensor(1.5, requires_grad=True)
-    b = torch.tensor(2.0, requires_grad=True)
-    (ga,) = torch.autograd.grad(routing.gate(a**3 * b, [b]), a, create_graph=True)
-    (gaa,) = torch.autograd.grad(ga, a)
-    assert torch.allclose(ga, 3 * a**2 * b) and torch.allclose(gaa, 6 * a * b)
 
 
 def _chosen_plan(terms, block) -> str:
