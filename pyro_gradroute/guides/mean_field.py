@@ -11,7 +11,8 @@ import pyro.distributions as dist
 import torch
 from pyro.infer.autoguide import AutoGuide
 from pyro.infer.autoguide.initialization import InitMessenger, init_to_feasible, init_to_sample
-from pyro.infer.autoguide.utils import helpful_support_errors
+from pyro.infer.autoguide.utils import deep_setattr, helpful_support_errors
+from pyro.nn import PyroModule
 from pyro.ops.tensor_utils import periodic_repeat
 from torch.distributions import Distribution, Transform, biject_to, constraints
 
@@ -23,6 +24,14 @@ __all__ = ["AutoMeanField", "FamilySpec"]
 
 #: a class for every site, ``{site name: class}`` (other sites: Normal), or ``site -> class | None``.
 FamilySpec = type | Mapping[str, type] | Callable[[dict], type | None]
+
+
+class _Factors(PyroModule):
+    """The container of the factor modules: its children are named as if they were attributes
+    of the guide itself (``AutoMeanField.{site}.{arg}``, the documented param-store names)."""
+
+    def _pyro_set_supermodule(self, name: str, context) -> None:
+        super()._pyro_set_supermodule(name.rpartition(".")[0], context)
 
 
 class _Factor:
@@ -66,7 +75,9 @@ class AutoMeanField(AutoGuide):
     r"""Mean-field guide :math:`q(z) = \prod_{\text{sites } s} q_s(z_s)` with a chosen family per site.
 
     Each latent site gets an independent factor from ``family`` whose arguments
-    are constrained parameters in Pyro's param store, named
+    are constrained module parameters (:class:`~pyro.nn.PyroParam`, as in AutoNormal: the
+    guide's ``parameters()``, ``state_dict()``, ``torch.save`` and
+    ``pyro.settings.set(module_local_params=True)`` work), registered in Pyro's param store as
     ``f"AutoMeanField.{site}.{arg}"`` (see :class:`ParametrizedDistribution`):
 
     * if the family's support equals the site's (Gamma or LogNormal for a
@@ -116,6 +127,8 @@ class AutoMeanField(AutoGuide):
         ['AutoMeanField.rate.concentration', 'AutoMeanField.rate.rate']
         >>> type(guide.get_posterior(x)["rate"]).__name__
         'Gamma'
+        >>> sorted(guide.state_dict())
+        ['factor_modules.rate.concentration_unconstrained', 'factor_modules.rate.rate_unconstrained']
 
     :param model: a Pyro model.
     :param family: a distribution class for every site, a dict ``{site: class}``
@@ -213,8 +226,11 @@ class AutoMeanField(AutoGuide):
         try:
             self._check_names()
             self._factors = {}
+            self.factor_modules = _Factors()
             for name, site in self.prototype_trace.iter_stochastic_nodes():
-                self._factors[name] = self._make_factor(name, site)
+                factor = self._make_factor(name, site)
+                deep_setattr(self.factor_modules, name, factor.params)
+                self._factors[name] = factor
         except Exception:
             self.prototype_trace = None  # a later call sets up again (and raises again)
             raise

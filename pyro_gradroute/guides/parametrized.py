@@ -1,6 +1,10 @@
-"""A distribution family whose arguments live in Pyro's param store, constrained.
+"""A distribution family whose arguments are constrained module parameters (in Pyro's param store).
 
-The param store holds each constrained parameter ``theta`` as an unconstrained
+:class:`ParametrizedDistribution` is a :class:`~pyro.nn.PyroModule`: each learned argument is a
+:class:`~pyro.nn.PyroParam` attribute, as in :class:`~pyro.infer.autoguide.AutoNormal`, so
+``module.parameters()``, ``state_dict()``, ``torch.save`` and
+``pyro.settings.set(module_local_params=True)`` work. Under the default global param store the
+param store holds each constrained parameter ``theta`` as an unconstrained
 leaf ``u`` with ``theta = T(u)``, ``T = transform_to(constraint)`` (``exp`` for
 ``positive``, ``sigmoid`` for ``unit_interval``, stick-breaking for ``simplex``,
 ...). :class:`ParametrizedDistribution` reads every value through ``pyro.param``
@@ -16,10 +20,10 @@ import inspect
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-import pyro
 import pyro.distributions as dist
 import torch
 from pyro.distributions.torch_distribution import TorchDistributionMixin
+from pyro.nn import PyroModule, PyroParam
 from torch.distributions import Distribution, constraints, transform_to
 
 __all__ = ["ParametrizedDistribution", "as_pyro_family"]
@@ -52,13 +56,13 @@ def _as_tensor(value: Any) -> torch.Tensor:
     return torch.as_tensor(value, dtype=torch.get_default_dtype())
 
 
-class ParametrizedDistribution:
-    r"""A distribution family with its arguments held in Pyro's param store.
+class ParametrizedDistribution(PyroModule):
+    r"""A distribution family with its arguments held as constrained module parameters.
 
-    For each argument ``a`` of ``family.arg_constraints`` that is learned, a
-    parameter named ``f"{name}.{a}"`` is registered with that argument's
-    constraint :math:`C_a`: the store keeps an unconstrained :math:`u_a` and every
-    call returns
+    For each argument ``a`` of ``family.arg_constraints`` that is learned, the module has a
+    :class:`~pyro.nn.PyroParam` attribute ``a`` with that argument's constraint :math:`C_a`
+    (state-dict key ``f"{a}_unconstrained"``), registered in Pyro's param store as
+    ``f"{name}.{a}"``: the module keeps an unconstrained :math:`u_a` and every call returns
 
     .. math::
 
@@ -81,8 +85,8 @@ class ParametrizedDistribution:
     * ``fixed={...}`` arguments and discrete arguments (``Binomial``'s
       ``total_count``) are passed as they are, never learned.
 
-    Example (the seed's loop: fit ``q`` to a target by Monte Carlo KL; the loop is
-    the same for every family)::
+    Example (fit ``q`` to a target by Monte Carlo KL; the loop is the same for every
+    family)::
 
         >>> import torch, pyro, pyro.distributions as dist
         >>> from pyro_gradroute.guides import ParametrizedDistribution
@@ -99,8 +103,11 @@ class ParametrizedDistribution:
         ['q.concentration', 'q.rate']
         >>> bool(q.params()["rate"] > 0)
         True
+        >>> sorted(q.state_dict())
+        ['concentration_unconstrained', 'rate_unconstrained']
 
-    :param name: prefix of the param-store names.
+    :param name: prefix of the param-store names (the module's Pyro name; as an attribute of
+        another PyroModule it becomes that attribute's full name, as for any PyroModule).
     :param family: a distribution class (torch classes are mapped to Pyro's wrapper).
     :param fixed: arguments passed unchanged (not learned).
     :param event_dim: reinterpret this many rightmost batch dims as event dims
@@ -123,7 +130,7 @@ class ParametrizedDistribution:
         event_dim: int = 0,
         **init: Any,
     ) -> None:
-        self.name = name
+        super().__init__(name=name)
         self.family = as_pyro_family(family)
         self.event_dim = int(event_dim)
         where = f"ParametrizedDistribution({name!r}, {self.family.__name__})"
@@ -188,6 +195,18 @@ class ParametrizedDistribution:
             ) from e
         #: whether the family has a reparameterized sampler (``rsample``).
         self.has_rsample: bool = bool(built.has_rsample)
+        for arg, value in self.init.items():
+            if hasattr(type(self), arg) or arg in self.__dict__:
+                raise TypeError(f"{where}: argument name {arg!r} clashes with an attribute of "
+                                "ParametrizedDistribution")  # fmt: skip
+            constraint = self.constraints[arg]
+            event = constraint.event_dim + self.event_dim
+            setattr(self, arg, PyroParam(value, constraint=constraint, event_dim=event))
+
+    @property
+    def name(self) -> str:
+        """Prefix of the param-store names: the module's Pyro name."""
+        return self._pyro_name
 
     @staticmethod
     def _check_learnable(where, arg, constraint, value) -> None:
@@ -223,30 +242,25 @@ class ParametrizedDistribution:
         return f"{self.name}.{arg}"
 
     def params(self) -> dict[str, torch.Tensor]:
-        """Current constrained values of the learned arguments, read from the param store.
+        """Current constrained values of the learned arguments (``pyro.param`` statements).
 
-        Registers them with their initial values on first use. Inside a subsampled
-        ``pyro.plate`` the values are indexed by the subsample.
+        Registers them in the param store on first use (unless
+        ``module_local_params``), and takes the store's values when it holds them (e.g.
+        after ``pyro.get_param_store().load(...)``). Inside a subsampled ``pyro.plate`` the
+        values are indexed by the subsample.
         """
-        return {
-            arg: pyro.param(
-                self.param_name(arg),
-                init,
-                constraint=self.constraints[arg],
-                event_dim=self.constraints[arg].event_dim + self.event_dim,
-            )
-            for arg, init in self.init.items()
-        }
+        with self._pyro_context:
+            return {arg: getattr(self, arg) for arg in self.init}
 
-    def parameters(self) -> Iterator[torch.Tensor]:
+    def parameters(self, recurse: bool = True) -> Iterator[torch.Tensor]:
         """The unconstrained leaf tensors (for a plain ``torch.optim`` optimizer).
 
         These are the tensors ``pyro.optim`` updates too. After
-        ``pyro.get_param_store().load(...)`` the store holds new leaves: build the
-        optimizer again.
+        ``pyro.get_param_store().load(...)`` the store holds new leaves, which the module
+        takes at its next read: build the optimizer again.
         """
-        for value in self.params().values():
-            yield value.unconstrained()
+        self.params()  # take the param store's leaves, if it has newer ones
+        return super().parameters(recurse)
 
     def _build(self, values: Mapping[str, Any]) -> Distribution:
         return self.family(**values)
@@ -255,14 +269,12 @@ class ParametrizedDistribution:
         """``family(**current values)`` without the ``event_dim`` reinterpretation."""
         return self._build({**self.fixed, **self.params()})
 
-    def __call__(self) -> Distribution:
-        """A fresh ``family(...)`` built from the current param-store values."""
+    def forward(self) -> Distribution:
+        """A fresh ``family(...)`` built from the current parameter values."""
         d = self.distribution()
         if self.event_dim:
             d = dist.Independent(d, self.event_dim)
         return d
 
-    def __repr__(self) -> str:
-        return (
-            f"ParametrizedDistribution({self.name!r}, {self.family.__name__}: {self._describe()})"
-        )
+    def extra_repr(self) -> str:
+        return f"{self.name!r}, {self.family.__name__}: {self._describe()}"
