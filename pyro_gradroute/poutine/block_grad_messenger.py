@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from types import TracebackType
 
+import torch
+from pyro.distributions import Delta, MaskedDistribution
 from pyro.poutine.messenger import Messenger
 from pyro.poutine.subsample_messenger import _Subsample
 
@@ -87,6 +89,8 @@ class BlockGradMessenger(Messenger):
 
     def __enter__(self) -> BlockGradMessenger:
         self._seen = []
+        self._open: list[str] = []  # gated sites whose message is still being processed
+        self._score_sites: list[str] = []  # latent sites whose value has no gradient
         return super().__enter__()
 
     def __exit__(
@@ -96,6 +100,17 @@ class BlockGradMessenger(Messenger):
         traceback: TracebackType | None,
     ) -> None:
         super().__exit__(exc_type, exc_value, traceback)
+        if exc_type is not None and self._open:
+            # e.g. a reparameterizer (outer poutine.reparam) that cannot handle a gated fn
+            name = self._open[-1]
+            raise ValueError(
+                f"block_grad: processing site {name!r} failed after it was gated ("
+                f"{type(exc_value).__name__}: {exc_value}). If an outer poutine.reparam "
+                "reparameterizes it, put block_grad outside poutine.reparam and block the "
+                f"sample site(s) the reparameterizer creates instead (e.g. '{name}_decentered' "
+                f"for LocScaleReparam, '{name}_base' for TransformReparam): "
+                "block_grad(poutine.reparam(model, config), sites=[...], ...)."
+            ) from exc_value
         if exc_type is None:
             missing = sorted(self.spec.sites.difference(self._seen))
             if missing:
@@ -125,9 +140,46 @@ class BlockGradMessenger(Messenger):
                 name = name[: -len(suffix)]
         if name not in self.spec.sites:
             return
+        if _is_deterministic(msg):
+            if {name + "_observed", name + "_unobserved"} & set(self._seen):
+                return  # obs_mask's deterministic "x": its terms were gated above
+            made = [s for s in self._seen if s.startswith(name + "_")]
+            raise ValueError(
+                f"block_grad: site {name!r} is deterministic here (poutine.reparam turned it "
+                "into a deterministic site, or it is pyro.deterministic): it has no "
+                "log-density term to block. Its terms now live in the sample site(s) the "
+                f"reparameterizer created ({made or 'none seen yet'}): block those instead, "
+                f"e.g. block_grad(..., sites={made or [name + '_decentered']}, ...)."
+            )
         # The gated fn is the mark (not msg["infer"]: replay copies a guide site's infer
         # dict onto the model site, which would leak the route into the model's term).
-        msg["fn"] = GatedDistribution.wrap(msg["fn"], self.spec)
+        msg["fn"] = GatedDistribution.wrap(msg["fn"], self.spec, name, self._score_sites)
+        self._open.append(msg["name"])
+
+    def _postprocess_message(self, msg) -> None:
+        if msg["type"] != "sample" or isinstance(msg["fn"], _Subsample):
+            return
+        if self._open and self._open[-1] == msg["name"]:
+            self._open.pop()
+        value = msg["value"]
+        if (
+            not msg["is_observed"]
+            and torch.is_tensor(value)
+            and not value.requires_grad
+            and not _is_deterministic(msg)
+            and not msg["infer"].get("enumerate")
+        ):
+            self._score_sites.append(msg["name"])
+
+
+def _is_deterministic(msg) -> bool:
+    """A pyro.deterministic site, or one poutine.reparam made deterministic (masked Delta)."""
+    if msg["infer"].get("_deterministic"):
+        return True
+    fn = msg["fn"]
+    return (
+        isinstance(fn, MaskedDistribution) and fn._mask is False and isinstance(fn.base_dist, Delta)
+    )
 
 
 def block_grad(

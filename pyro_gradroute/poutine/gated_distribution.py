@@ -44,17 +44,30 @@ class GatedDistribution(TorchDistribution):
 
     arg_constraints: dict = {}
 
-    def __init__(self, base_dist, specs):
+    def __init__(self, base_dist=None, specs=(), site=None, score_sites=None, **params):
+        if base_dist is None or params:
+            # a reparameterizer rebuilding the site's distribution (type(fn)(**params))
+            raise TypeError(
+                f"block_grad: a gated distribution (site {site!r}) was rebuilt from "
+                f"{sorted(params)}, as a reparameterizer does; the rebuilt one cannot carry "
+                "the route. Put block_grad outside poutine.reparam and block the sample "
+                "site(s) the reparameterizer creates."
+            )
         self.base_dist = base_dist
         self.specs = tuple(specs)
+        self.site = site
+        self.score_sites = score_sites if score_sites is not None else []
         super().__init__(base_dist.batch_shape, base_dist.event_shape, validate_args=False)
 
     @classmethod
-    def wrap(cls, fn, spec: BlockSpec) -> GatedDistribution:
+    def wrap(cls, fn, spec: BlockSpec, site=None, score_sites=None) -> GatedDistribution:
         """``fn`` gated by ``spec`` (merging with an existing gate: nested handlers compose)."""
         if isinstance(fn, cls):
-            return cls(fn.base_dist, fn.specs + (spec,))
-        return cls(fn, (spec,))
+            merged = list(fn.score_sites) + [
+                s for s in score_sites or () if s not in fn.score_sites
+            ]
+            return cls(fn.base_dist, fn.specs + (spec,), fn.site or site, merged)
+        return cls(fn, (spec,), site, score_sites)
 
     def __getattr__(self, name):
         if name == "base_dist":
@@ -79,8 +92,36 @@ class GatedDistribution(TorchDistribution):
         # TraceGraph_ELBO tracks which sites a log-density depends on with ProvenanceTensor
         # (a __torch_function__ subclass): gate the plain tensor, then restore the provenance.
         provenance = get_provenance(t)
-        gated = routing.gate(detach_provenance(t), resolve(self.specs))
+        plain, blocked = detach_provenance(t), resolve(self.specs)
+        self._check_score_function_paths(plain, blocked)
+        gated = routing.gate(plain, blocked)
         return track_provenance(gated, provenance) if provenance else gated
+
+    def _check_score_function_paths(self, t, blocked) -> None:
+        """Raise where a blocked parameter can only be reached through a REINFORCE term.
+
+        Pyro's ELBOs call this gated ``log_prob`` (this package's ELBOs unwrap the gate).
+        They build each non-reparameterized guide site's score-function term from the
+        *detached* model log-densities, so a gate here cannot keep this site's cost from
+        the guide parameters of that term. Such a site shows in the run as a latent
+        site whose value has no gradient; a blocked parameter that this log-density does
+        not reach pathwise may then be reached only that way.
+        """
+        others = [n for n in self.score_sites if n != self.site]
+        if not others:
+            return
+        reached = set(routing.reachable_leaves(t))
+        unreached = sorted(n for n, p in blocked.items() if p not in reached)
+        if unreached:
+            raise NotImplementedError(
+                f"block_grad: site {self.site!r} is blocked from {unreached}, which its "
+                "log-density does not reach pathwise, and latent site(s) "
+                f"{others} have no reparameterized gradient: their score-function "
+                "(REINFORCE) terms carry this site's cost, and Pyro's ELBOs build those "
+                "terms from detached log-densities, so this route cannot be applied there. "
+                "Use pyro_gradroute.infer.Trace_ELBO or TraceSTL_ELBO, which route "
+                "REINFORCE terms per site."
+            )
 
     def sample(self, sample_shape=_EMPTY):
         return self.base_dist.sample(sample_shape)
@@ -99,7 +140,9 @@ class GatedDistribution(TorchDistribution):
         return self.base_dist.enumerate_support(expand=expand)
 
     def expand(self, batch_shape, _instance=None):
-        return GatedDistribution(self.base_dist.expand(batch_shape), self.specs)
+        return GatedDistribution(
+            self.base_dist.expand(batch_shape), self.specs, self.site, self.score_sites
+        )
 
 
 def unwrap_gates(trace) -> None:
