@@ -51,6 +51,14 @@ class BlockGradMessenger(Messenger):
     computed. A site in ``sites`` that never occurs raises ``ValueError`` when the
     handler exits (naming it and listing the sites seen).
 
+    With ``poutine.reparam``: put ``block_grad`` *outside* it and name the sample sites
+    the reparameterizer creates (``x_decentered`` for ``LocScaleReparam``); naming the
+    site it made deterministic (``x``), or putting ``block_grad`` inside, raises
+    ``ValueError`` saying so (``pyro.deterministic`` sites likewise have no term). Under
+    Pyro's ELBOs, a site blocked from parameters that it reaches only through the
+    score-function term of a non-reparameterized latent raises ``NotImplementedError``
+    (Pyro builds those terms from detached log-densities); this package's ELBOs route them.
+
     Example::
 
         >>> import pyro, torch, pyro.distributions as dist

@@ -156,3 +156,19 @@ def test_grad_bad_inputs(bad):
     w = torch.ones(2, requires_grad=True)
     with pytest.raises(TypeError, match="routing.grad: inputs"):
         routing.grad({"l": w.sum()}, bad)
+
+
+def test_hooks_on_the_term_are_skipped_when_no_gradient_reaches_it():
+    a = torch.tensor(1.5, requires_grad=True)
+    b = torch.tensor(2.0, requires_grad=True)
+    h = a * b
+    L = h.sin() * b
+    seen_L, seen_h = [], []
+    L.register_hook(lambda g: seen_L.append(g))
+    h.register_hook(lambda g: seen_h.append(g))
+    (routing.gate(L, [b]) + a).backward()
+    # the gate's own pass sees real gradients; the outer pass sends none into L's graph:
+    # L's hook is skipped, PyTorch calls h's hook with None
+    assert [g is None for g in seen_L] == [False]
+    assert [g is None for g in seen_h] == [False, True]
+    assert b.grad is None
