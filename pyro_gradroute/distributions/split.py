@@ -197,18 +197,23 @@ class _Pathwise(torch.autograd.Function):
         g_path = grads[1::2]
         g_targets: list = [None] * len(targets)
         # 1. all seeds w.r.t. the detached values (independent leaves)
-        outs, seeds, vs, slots = [], [], [], []
+        outs, seeds, vs, slots = (
+            [],
+            [],
+            [],
+            [],
+        )  # one input per distinct v (items of a site share it)
         for i, it in enumerate(items):
             s = _add(g_full[i], g_path[i])
             if s is not None and it.v.requires_grad:
                 outs.append(it.lp)
                 seeds.append(s)
-                vs.append(it.v)
-                slots.append(i)
+                if not any(w is it.v for w in vs):
+                    vs.append(it.v)
+                    slots.append(target_index[i])
         if vs:
             gs = torch.autograd.grad(outs, vs, seeds, retain_graph=True, allow_unused=True)
-            for i, g in zip(slots, gs):
-                k = target_index[i]
+            for k, g in zip(slots, gs):
                 g_targets[k] = _add(g_targets[k], g)
         # 2. pathwise seeds w.r.t. the upstream samples (partials)
         g_ups: list = [None] * len(ups)
