@@ -1,0 +1,541 @@
+"""The checks of one conformance cell: (case, estimator, routed or not).
+
+Every check builds the case afresh (:func:`cell`) and compares the package's estimator with a
+reference *on the same random seed*:
+
+* ``loss``: the loss (``loss_and_grads`` and ``loss``) equals Pyro's estimator of the same objective
+  (``Trace_ELBO`` for Trace/STL/DReG1, ``RenyiELBO(alpha=0)`` for DReG-K and RWS-DReG; for a
+  subsampled plate holding every site, the hand-written per-point bound times N/b) to round-off;
+* ``grad``: the mean over draws of the per-draw *difference* from the reference gradient (Pyro's
+  estimator, or a hand-written surrogate where Pyro has none) is within ``Z`` standard errors of
+  zero, coordinate by coordinate;
+* ``zero``: at the exact posterior (where the guide family holds it) the guide parameters'
+  gradient is zero to float64 round-off (STL, DReG at any K, RWS-DReG);
+* ``dreg1_stl``: ``TraceDReG_ELBO(num_particles=1)`` equals ``TraceSTL_ELBO`` draw by draw;
+* ``routed``: the routed gradient equals the naive computation: every term's own backward, with the
+  blocked parameters' share of the blocked terms dropped; for Trace/STL/DReG1 also the gradient with
+  the blocked site scaled by 0 on the blocked parameters (every path of the site's cost removed);
+* ``raises``: cells that must raise do, with a message naming the site.
+
+Draw counts: ``GRADROUTE_CONFORMANCE_FULL=1`` (``python -m tests.conformance --full``) multiplies
+them by 16.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import pyro
+import pytest
+import torch
+from pyro.infer import RenyiELBO, ReweightedWakeSleep
+from pyro.infer import Trace_ELBO as PyroTrace_ELBO
+from pyro.infer.util import get_dependent_plate_dims, torch_sum
+from pyro.poutine.messenger import Messenger
+
+from pyro_gradroute.infer import ReweightedWakeSleepDReG, Trace_ELBO, TraceDReG_ELBO, TraceSTL_ELBO
+from pyro_gradroute.poutine import block_grad
+
+from .cases import Case, Raises
+
+ESTIMATORS = ("Trace", "STL", "DReG1", "DReGK", "RWS")
+K = 4  # particles of the importance-weighted estimators
+Z = 5.0  # standard errors
+FULL = os.environ.get("GRADROUTE_CONFORMANCE_FULL", "") not in ("", "0")
+MULT = 16 if FULL else 1
+#: gradient draws per estimator (Trace/STL draws each average ``case.particles`` vectorized particles)
+DRAWS = {"Trace": 16, "STL": 24, "DReG1": 48, "DReGK": 64, "RWS": 64}
+ZERO_TOL = 1e-6  # float64 round-off at the exact posterior
+
+
+def draws(est: str) -> int:
+    return DRAWS[est] * MULT
+
+
+# ---------------------------------------------------------------- building a cell
+
+
+@dataclass
+class Cell:
+    case: Case
+    model: object
+    guide: object
+    args: tuple
+    exact: object
+    names: list  # (param name, leaf) in a fixed order
+    guide_only: torch.Tensor  # flat mask: coordinates of guide-only parameters
+    dependent: bool | None = None  # whether some plate does not hold every site (cached)
+
+
+def _leaves():
+    store = pyro.get_param_store()
+    return [(k, store._params[k]) for k in sorted(store.keys())]
+
+
+def _param_names(fn, args) -> set:
+    tr = pyro.poutine.trace(fn).get_trace(*args)
+    return {n for n, s in tr.nodes.items() if s["type"] == "param"}
+
+
+@contextmanager
+def cell(case: Case):
+    """A fresh build of ``case``: empty param store, seed 0, validation on, the case's dtype."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(case.dtype)
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    pyro.enable_validation(True)
+    try:
+        b = case.build()
+        pyro.set_rng_seed(0)
+        guide_params = _param_names(b.guide, b.args) - _param_names(b.model, b.args)
+        names = _leaves()
+        mask = torch.cat([torch.full((p.numel(),), n in guide_params) for n, p in names])
+        yield Cell(case, b.model, b.guide, b.args, b.exact, names, mask)
+    finally:
+        pyro.clear_param_store()
+        torch.set_default_dtype(old)
+
+
+def blocked_mask(c: Cell) -> torch.Tensor:
+    """Flat mask of the route's blocked parameters."""
+    pats = c.case.route.params
+    hit = [any(fnmatch.fnmatchcase(n, p) for p in pats) for n, _ in c.names]
+    assert any(hit), (pats, [n for n, _ in c.names])
+    return torch.cat([torch.full((p.numel(),), h) for h, (_, p) in zip(hit, c.names)])
+
+
+def routed_pair(c: Cell):
+    r = c.case.route
+    model = block_grad(c.model, sites=r.sites, params=r.params)
+    guide = block_grad(c.guide, sites=r.sites, params=r.params) if c.case.messenger else c.guide
+    return model, guide
+
+
+def _is_route_site(name: str, sites) -> bool:
+    for s in sites:
+        if name in (s, s + "_observed", s + "_unobserved"):
+            return True
+    return False
+
+
+class _SiteScale(Messenger):
+    """Multiply the scale of the named sites (obs_mask parts included) by ``scale``."""
+
+    def __init__(self, sites, scale):
+        super().__init__()
+        self.sites, self.scale = sites, scale
+
+    def _process_message(self, msg):
+        if msg["type"] == "sample" and _is_route_site(msg["name"], self.sites):
+            msg["scale"] = msg["scale"] * self.scale
+
+
+def scaled_pair(c: Cell, scale: float):
+    sites = c.case.route.sites
+    model = _SiteScale(sites, scale)(c.model)
+    guide = _SiteScale(sites, scale)(c.guide) if c.case.messenger else c.guide
+    return model, guide
+
+
+# ---------------------------------------------------------------- estimators
+
+
+def ours(est: str, case: Case):
+    mpn = case.max_plate_nesting
+    P = case.particles
+    if est in ("Trace", "STL"):
+        cls = Trace_ELBO if est == "Trace" else TraceSTL_ELBO
+        return cls(num_particles=P, vectorize_particles=P > 1, max_plate_nesting=mpn)
+    if est == "DReG1":
+        return TraceDReG_ELBO(num_particles=1, max_plate_nesting=mpn)
+    if est == "DReGK":
+        return TraceDReG_ELBO(num_particles=K, vectorize_particles=True, max_plate_nesting=mpn)
+    if est == "RWS":
+        return ReweightedWakeSleepDReG(num_particles=K, max_plate_nesting=mpn)
+    raise KeyError(est)
+
+
+def pyro_trace(est: str, case: Case):
+    P = case.particles if est in ("Trace", "STL") else 1
+    return PyroTrace_ELBO(
+        num_particles=P, vectorize_particles=P > 1, max_plate_nesting=case.max_plate_nesting
+    )
+
+
+def flat_grad(c: Cell) -> torch.Tensor:
+    return torch.cat(
+        [p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel()) for _, p in c.names]
+    ).double()
+
+
+def _zero_grads(c: Cell):
+    for _, p in c.names:
+        p.grad = None
+
+
+def grad_of(c: Cell, fn) -> tuple[float, torch.Tensor]:
+    """Run ``fn()`` (a ``loss_and_grads`` call) from zeroed grads; return its value and the flat gradient."""
+    _zero_grads(c)
+    value = fn()
+    g = flat_grad(c)
+    _zero_grads(c)
+    return value, g
+
+
+def seeded(seed, fn):
+    pyro.set_rng_seed(seed)
+    return fn()
+
+
+# ---------------------------------------------------------------- hand-written importance-weighted references
+
+
+def _hand(c: Cell, model, guide, rws: bool):
+    """One draw of the IWAE bound (``rws``: RWS wake-theta + wake-phi) with per-point weights.
+
+    The traces come from Pyro's own ``RenyiELBO`` / ``ReweightedWakeSleep`` (same random draws);
+    log-densities of a subsampled plate holding every site are unscaled inside the log-mean-exp
+    and the bound multiplied by N/b. Guide sites with a score-function part get the IWAE score
+    term ``L * sum_k score_k`` (no Pyro reference has it at alpha=0). Returns ``(loss, surrogate)``
+    where ``-surrogate``'s gradient is the reference.
+    """
+    mpn = c.case.max_plate_nesting
+    if rws:
+        elbo = ReweightedWakeSleep(
+            num_particles=K, insomnia=1.0, max_plate_nesting=mpn, vectorize_particles=True
+        )
+    else:
+        elbo = RenyiELBO(alpha=0, num_particles=K, max_plate_nesting=mpn, vectorize_particles=True)
+    ((mt, gt),) = list(elbo._get_traces(model, guide, c.args, {}))
+    s = c.case.outer_scale or 1.0
+    msites = [x for x in mt.nodes.values() if x["type"] == "sample"]
+    gsites = [x for x in gt.nodes.values() if x["type"] == "sample"]
+    dims = get_dependent_plate_dims(msites)
+    log_p = sum(torch_sum(x["log_prob"], dims) for x in msites) / s
+    log_q = sum(torch_sum(x["log_prob"], dims) for x in gsites) / s
+    log_w = log_p - (log_q.detach() if rws else log_q)
+    L = torch.logsumexp(log_w, 0) - math.log(K)
+    loss = -(s * L.sum()).item()
+    if rws:
+        wt = torch.softmax(log_w.detach(), 0)
+        surrogate = s * (L.sum() + (wt * log_q).sum())
+    else:
+        score = 0.0
+        for x in gsites:
+            sf = x["score_parts"].score_function
+            if torch.is_tensor(sf) and sf.requires_grad:
+                score = score + torch_sum(sf, dims)
+        surrogate = s * L.sum()
+        if torch.is_tensor(score):
+            surrogate = surrogate + s * (L.detach() * score.sum(0)).sum()
+    return loss, surrogate
+
+
+def _has_dependent_plates(c: Cell) -> bool:
+    if c.dependent is None:
+        with pyro.poutine.block():
+            tr = pyro.poutine.trace(c.model).get_trace(*c.args)
+        c.dependent = bool(get_dependent_plate_dims(list(tr.nodes.values())))
+    return c.dependent
+
+
+def reference_loss(c: Cell, est: str, seed: int) -> float:
+    model, guide = c.model, c.guide
+    mpn = c.case.max_plate_nesting
+    if est in ("Trace", "STL", "DReG1"):
+        return seeded(seed, lambda: pyro_trace(est, c.case).loss(model, guide, *c.args))
+    if c.case.outer_scale:
+        return seeded(seed, lambda: _hand(c, model, guide, rws=False)[0])
+    renyi = RenyiELBO(alpha=0, num_particles=K, max_plate_nesting=mpn, vectorize_particles=True)
+    return seeded(seed, lambda: renyi.loss(model, guide, *c.args))
+
+
+def reference_grad(c: Cell, est: str, seed: int, model, guide) -> torch.Tensor:
+    """One draw of the reference gradient of the negative objective (same seed as ours)."""
+    mpn = c.case.max_plate_nesting
+    if est in ("Trace", "STL", "DReG1"):
+        elbo = pyro_trace(est, c.case)
+        return seeded(seed, lambda: grad_of(c, lambda: elbo.loss_and_grads(model, guide, *c.args)))[
+            1
+        ]
+    rws = est == "RWS"
+    hand = c.case.outer_scale is not None or (
+        c.case.score_guide if not rws else _has_dependent_plates(c)
+    )
+    if hand:
+
+        def run():
+            _, surrogate = _hand(c, model, guide, rws=rws)
+            (-surrogate).backward()
+
+        return seeded(seed, lambda: grad_of(c, run))[1]
+    if rws:
+        elbo = ReweightedWakeSleep(
+            num_particles=K, insomnia=1.0, max_plate_nesting=mpn, vectorize_particles=True
+        )
+    else:
+        elbo = RenyiELBO(alpha=0, num_particles=K, max_plate_nesting=mpn, vectorize_particles=True)
+    return seeded(seed, lambda: grad_of(c, lambda: elbo.loss_and_grads(model, guide, *c.args)))[1]
+
+
+# ---------------------------------------------------------------- expected raises
+
+
+def _probe(c: Cell, est: str, model, guide, spec: Raises | None) -> bool:
+    """For an optional-raise cell: True if the estimator raises as allowed (the cell conforms)."""
+    if spec is None:
+        return False
+    try:
+        seeded(
+            0, lambda: grad_of(c, lambda: ours(est, c.case).loss_and_grads(model, guide, *c.args))
+        )
+    except spec.exc as e:
+        import re
+
+        assert re.search(spec.match, str(e)), (
+            f"raised {type(e).__name__} without naming {spec.match}: {e}"
+        )
+        return True
+    return False
+
+
+def check_raises(case: Case, est: str, routed: bool) -> None:
+    spec = case.raise_for(est, routed)
+    assert spec is not None and not spec.optional
+    with cell(case) as c:
+        model, guide = routed_pair(c) if routed else (c.model, c.guide)
+        elbo = ours(est, case)
+        with pytest.raises(spec.exc, match=spec.match):
+            seeded(0, lambda: elbo.loss_and_grads(model, guide, *c.args))
+        with pytest.raises(spec.exc, match=spec.match):
+            seeded(0, lambda: elbo.loss(model, guide, *c.args))
+
+
+# ---------------------------------------------------------------- the checks
+
+
+def _tols(dtype):
+    return (1e-9, 1e-9) if dtype == torch.float64 else (2e-6, 1e-4)
+
+
+def check_loss(case: Case, est: str, routed: bool) -> str | None:
+    with cell(case) as c:
+        model, guide = routed_pair(c) if routed else (c.model, c.guide)
+        if _probe(c, est, model, guide, case.raise_for(est, routed)):
+            return "raised"
+        rtol, atol = _tols(case.dtype)
+        for seed in (0, 1):
+            ref = reference_loss(c, est, seed)
+            lg = seeded(
+                seed,
+                lambda: grad_of(c, lambda: ours(est, case).loss_and_grads(model, guide, *c.args)),
+            )[0]
+            lo = seeded(seed, lambda: ours(est, case).loss(model, guide, *c.args))
+            for name, v in (("loss_and_grads", lg), ("loss", lo)):
+                assert math.isclose(v, ref, rel_tol=rtol, abs_tol=atol), (
+                    f"{case.name}/{est}: {name} {v!r} != reference {ref!r} (seed {seed})"
+                )
+    return None
+
+
+def _coord_names(c: Cell):
+    out = []
+    for n, p in c.names:
+        out += [f"{n}[{i}]" if p.numel() > 1 else n for i in range(p.numel())]
+    return out
+
+
+def check_grad(case: Case, est: str, routed: bool) -> str | None:
+    with cell(case) as c:
+        model, guide = routed_pair(c) if routed else (c.model, c.guide)
+        if _probe(c, est, model, guide, case.raise_for(est, routed)):
+            return "raised"
+        block = blocked_mask(c) if routed else None
+        if routed:
+            m1, g1 = c.model, c.guide
+            m0, g0 = scaled_pair(c, 0.0)
+        n = draws(est)
+        diffs, refs = [], []
+        elbo = ours(est, case)
+        for i in range(n):
+            seed = 1000 + i
+            g = seeded(
+                seed, lambda: grad_of(c, lambda: elbo.loss_and_grads(model, guide, *c.args))
+            )[1]
+            if routed:  # full gradient off the route, the site's every path removed on it
+                ref = torch.where(
+                    block,
+                    reference_grad(c, est, seed, m0, g0),
+                    reference_grad(c, est, seed, m1, g1),
+                )
+            else:
+                ref = reference_grad(c, est, seed, model, guide)
+            diffs.append(g - ref)
+            refs.append(ref)
+        D, R = torch.stack(diffs), torch.stack(refs)
+        mean, se = D.mean(0), D.std(0) / math.sqrt(n)
+        floor = (1e-8 if case.dtype == torch.float64 else 1e-4) * (1 + R.abs().mean(0))
+        bad = mean.abs() > Z * se + floor
+        if bad.any():
+            names = _coord_names(c)
+            rows = [
+                f"  {names[j]}: ours {R[:, j].mean() + mean[j]:+.4g}, reference {R[:, j].mean():+.4g}, "
+                f"paired diff {mean[j]:+.4g} +/- {se[j]:.2g} ({(mean[j] / se[j]).abs():.1f} SE)"
+                for j in bad.nonzero().reshape(-1).tolist()[:8]
+            ]
+            raise AssertionError(
+                f"{case.name}/{est}{'+route' if routed else ''}: biased ({n} draws)\n"
+                + "\n".join(rows)
+            )
+    return None
+
+
+def check_zero(case: Case, est: str) -> str | None:
+    with cell(case) as c:
+        if _probe(c, est, c.model, c.guide, case.raise_for(est, False)):
+            return "raised"
+        c.exact()
+        elbo = ours(est, case)
+        for seed in range(3):
+            g = seeded(
+                seed, lambda: grad_of(c, lambda: elbo.loss_and_grads(c.model, c.guide, *c.args))
+            )[1]
+            worst = g[c.guide_only].abs().max().item()
+            assert worst <= ZERO_TOL, (
+                f"{case.name}/{est}: gradient {worst:.3g} at the exact posterior (seed {seed}); "
+                f"guide coordinates: {dict(zip((n for n, m in zip(_coord_names(c), c.guide_only) if m), g[c.guide_only].tolist()))}"
+            )
+    return None
+
+
+def check_dreg1_stl(case: Case, routed: bool) -> str | None:
+    with cell(case) as c:
+        model, guide = routed_pair(c) if routed else (c.model, c.guide)
+        if _probe(c, "DReG1", model, guide, case.raise_for("DReG1", routed)):
+            return "raised"
+        stl = TraceSTL_ELBO(num_particles=1, max_plate_nesting=case.max_plate_nesting)
+        dreg = TraceDReG_ELBO(num_particles=1, max_plate_nesting=case.max_plate_nesting)
+        rtol, atol = _tols(case.dtype)
+        for seed in (0, 1):
+            ls, gs = seeded(
+                seed, lambda: grad_of(c, lambda: stl.loss_and_grads(model, guide, *c.args))
+            )
+            ld, gd = seeded(
+                seed, lambda: grad_of(c, lambda: dreg.loss_and_grads(model, guide, *c.args))
+            )
+            assert math.isclose(ls, ld, rel_tol=rtol, abs_tol=atol), (ls, ld)
+            torch.testing.assert_close(
+                gd,
+                gs,
+                rtol=rtol * 10,
+                atol=atol * 10,
+                msg=lambda m: f"{case.name}: DReG(K=1) != STL\n{m}",
+            )
+    return None
+
+
+def _naive_routed(c: Cell, elbo, model, guide, block: torch.Tensor) -> torch.Tensor:
+    """Every term's own backward; the blocked terms' gradient dropped on the blocked parameters."""
+    leaves = [p for _, p in c.names]
+    total = torch.zeros(block.shape, dtype=torch.float64)
+    sites = c.case.route.sites
+    for item in elbo._iter_particles(model, guide, c.args, {}):
+        terms = item[1]  # (elbo, terms, blocks, ...)
+        for key, t in terms.items():
+            gs = torch.autograd.grad(-t, leaves, allow_unused=True, retain_graph=True)
+            g = torch.cat(
+                [torch.zeros(p.numel()) if x is None else x.reshape(-1) for x, p in zip(gs, leaves)]
+            ).double()
+            if key[0] == "model" and _is_route_site(key[1], sites):
+                g = torch.where(block, torch.zeros_like(g), g)
+            total = total + g
+    return total
+
+
+def check_routed(case: Case, est: str) -> str | None:
+    with cell(case) as c:
+        model, guide = routed_pair(c)
+        if _probe(c, est, model, guide, case.raise_for(est, True)):
+            return "raised"
+        block = blocked_mask(c)
+        rtol, atol = _tols(case.dtype)
+        elbo = ours(est, case)
+        for seed in (0, 1):
+            g = seeded(
+                seed, lambda: grad_of(c, lambda: elbo.loss_and_grads(model, guide, *c.args))
+            )[1]
+            naive = seeded(seed, lambda: _naive_routed(c, elbo, model, guide, block))
+            torch.testing.assert_close(
+                g,
+                naive,
+                rtol=rtol * 10,
+                atol=atol * 10,
+                msg=lambda m: f"{case.name}/{est}: routed != per-term naive\n{m}",
+            )
+            if est in ("Trace", "STL", "DReG1"):
+                m0, g0 = scaled_pair(c, 0.0)
+                full = seeded(
+                    seed, lambda: grad_of(c, lambda: elbo.loss_and_grads(c.model, c.guide, *c.args))
+                )[1]
+                cut = seeded(
+                    seed, lambda: grad_of(c, lambda: elbo.loss_and_grads(m0, g0, *c.args))
+                )[1]
+                ref = torch.where(block, cut, full)
+                torch.testing.assert_close(
+                    g,
+                    ref,
+                    rtol=rtol * 10,
+                    atol=atol * 10,
+                    msg=lambda m: (
+                        f"{case.name}/{est}: routed != site scaled by 0 on the blocked params\n{m}"
+                    ),
+                )
+    return None
+
+
+# ---------------------------------------------------------------- the matrix
+
+
+def cells(cases):
+    """``(case, est, routed, check)`` for every applicable cell."""
+    out = []
+    for case in cases:
+        for routed in (False, True):
+            for est in ESTIMATORS:
+                spec = case.raise_for(est, routed)
+                if spec is not None and not spec.optional:
+                    out.append((case, est, routed, "raises"))
+                    continue
+                out.append((case, est, routed, "loss"))
+                if not routed or est in ("Trace", "STL", "DReG1"):
+                    out.append((case, est, routed, "grad"))
+                if routed:
+                    out.append((case, est, routed, "routed"))
+                if not routed and est != "Trace" and case.build_has_exact:
+                    out.append((case, est, routed, "zero"))
+                if est == "DReG1":
+                    out.append((case, est, routed, "dreg1_stl"))
+    return out
+
+
+def run_cell(case: Case, est: str, routed: bool, check: str) -> str | None:
+    """Run one cell; returns ``"raised"`` when an optional raise happened, else None (or raises)."""
+    if check == "raises":
+        check_raises(case, est, routed)
+        return "expected-raise"
+    if check == "loss":
+        return check_loss(case, est, routed)
+    if check == "grad":
+        return check_grad(case, est, routed)
+    if check == "zero":
+        return check_zero(case, est)
+    if check == "dreg1_stl":
+        return check_dreg1_stl(case, routed)
+    if check == "routed":
+        return check_routed(case, est)
+    raise KeyError(check)
