@@ -71,6 +71,10 @@ def _inner_scale(site, outer: float):
     return c
 
 
+def _base(fn):
+    return fn.base_dist if isinstance(fn, SplitDistribution) else fn
+
+
 def _same(a, b) -> bool:
     if torch.is_tensor(a) or torch.is_tensor(b):
         a, b = torch.as_tensor(a), torch.as_tensor(b)
@@ -230,7 +234,7 @@ class TraceDReG_ELBO(RoutedELBO):
         draws = {
             n
             for n, s in guide_sites.items()
-            if torch.is_tensor(s["value"]) and s["value"].requires_grad and not is_delta(s["fn"])
+            if torch.is_tensor(s["value"]) and s["value"].requires_grad and not is_delta(_base(s["fn"]))
         }
         factors: dict = {}
         for n in draws:
