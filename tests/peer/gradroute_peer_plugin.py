@@ -1,0 +1,266 @@
+"""Pytest plugin: run Pyro's own tests with pyro_gradroute's ELBOs in place of Pyro's.
+
+Loaded by ``run_pyro_tests.py`` as ``-p gradroute_peer_plugin`` (this folder on
+``PYTHONPATH``) inside a Pyro source checkout. Configured by environment variables:
+
+``GRADROUTE_PEER_ELBO``
+    ``trace``  package ``Trace_ELBO`` replaces ``pyro.infer.Trace_ELBO``;
+    ``stl``    package ``TraceSTL_ELBO`` replaces ``pyro.infer.Trace_ELBO``;
+    ``dreg``   package ``TraceDReG_ELBO`` replaces ``pyro.infer.RenyiELBO(alpha=0)``
+               (other alphas stay Pyro's);
+    ``pyro-trace`` / ``pyro-renyi``  Pyro's own class, instrumented the same way
+               (the baseline: which tests fail in this environment anyway).
+``GRADROUTE_PEER_OUT``
+    JSON file written at the end: for every test that built the substituted ELBO, its
+    outcome and, on failure, the exception and the innermost ``pyro_gradroute`` frame.
+
+The replacement is installed in ``pytest_configure``, i.e. before any test module is
+imported, so ``from pyro.infer import Trace_ELBO`` in a test file (and parametrize lists
+built at import time) get it. The replacement is a subclass that keeps the replaced
+name (``Trace_ELBO`` / ``RenyiELBO``), so test ids are the same in every mode.
+
+A test counts as *building* the ELBO if it constructs one (in setup, call or teardown),
+receives one as a parametrize value, or calls ``loss``/``loss_and_grads``/
+``differentiable_loss`` on one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import traceback
+
+import pytest
+
+MODE = os.environ.get("GRADROUTE_PEER_ELBO", "trace")
+OUT = os.environ.get("GRADROUTE_PEER_OUT")
+
+_current: list[str | None] = [None]
+_built: dict[str, set[str]] = {}  # nodeid -> how ("init", "param", "used")
+_results: dict[str, dict] = {}
+_Instrumented: type | None = None
+_REPLACED = ""  # the Pyro name replaced
+_OURS: tuple = ()  # the replacement class (and the instrumented target)
+_deselected = [0]
+_coerced: set[str] = set()  # tests where DReG's vectorize_particles was forced on
+
+
+def _record(how: str) -> None:
+    nodeid = _current[0]
+    if nodeid is not None:
+        _built.setdefault(nodeid, set()).add(how)
+
+
+def _instrument(base: type, name: str) -> type:
+    def __init__(self, *args, **kwargs):
+        _record("init")
+        base.__init__(self, *args, **kwargs)
+
+    def wrap(meth_name):
+        meth = getattr(base, meth_name)
+
+        def method(self, *args, **kwargs):
+            _record("used")
+            return meth(self, *args, **kwargs)
+
+        method.__name__ = meth_name
+        return method
+
+    ns = {"__init__": __init__, "__module__": base.__module__, "_peer_base": base}
+    for m in ("loss", "loss_and_grads", "differentiable_loss"):
+        if hasattr(base, m):
+            ns[m] = wrap(m)
+    cls = type(name, (base,), ns)
+    cls.__qualname__ = name
+    return cls
+
+
+def _install() -> None:
+    global _Instrumented, _REPLACED
+    import pyro.infer
+    import pyro.infer.renyi_elbo
+    import pyro.infer.trace_elbo
+
+    if MODE in ("trace", "stl", "pyro-trace"):
+        import pyro_gradroute.infer as gi
+
+        base = {
+            "trace": gi.Trace_ELBO,
+            "stl": gi.TraceSTL_ELBO,
+            "pyro-trace": pyro.infer.trace_elbo.Trace_ELBO,
+        }[MODE]
+        _REPLACED = "Trace_ELBO"
+        original = pyro.infer.trace_elbo.Trace_ELBO
+        replacement = _Instrumented = _instrument(base, "Trace_ELBO")
+        modules = [pyro.infer, pyro.infer.trace_elbo]
+    elif MODE in ("dreg", "pyro-renyi"):
+        from pyro_gradroute.infer import TraceDReG_ELBO
+
+        _REPLACED = "RenyiELBO"
+        original = PyroRenyi = pyro.infer.renyi_elbo.RenyiELBO
+        target = TraceDReG_ELBO if MODE == "dreg" else PyroRenyi
+        _Instrumented = Target = _instrument(target, "RenyiELBO")
+
+        class RenyiELBO(PyroRenyi):
+            """``RenyiELBO`` whose ``alpha=0`` instances are the instrumented target."""
+
+            def __new__(
+                cls,
+                alpha=0,
+                num_particles=2,
+                max_plate_nesting=math.inf,
+                max_iarange_nesting=None,
+                vectorize_particles=False,
+                strict_enumeration_warning=True,
+            ):
+                if alpha != 0:
+                    return super().__new__(cls)
+                kw = dict(
+                    num_particles=num_particles,
+                    max_plate_nesting=max_plate_nesting,
+                    max_iarange_nesting=max_iarange_nesting,
+                    vectorize_particles=vectorize_particles,
+                    strict_enumeration_warning=strict_enumeration_warning,
+                )
+                if MODE == "dreg":
+                    kw.pop("max_iarange_nesting")
+                    if (
+                        num_particles > 1
+                        and not vectorize_particles
+                        and not os.environ.get("GRADROUTE_PEER_STRICT")
+                    ):
+                        # DReG draws coupled particles in one vectorized pass only
+                        kw["vectorize_particles"] = True
+                        if _current[0] is not None:
+                            _coerced.add(_current[0])
+                else:
+                    kw = {"alpha": 0, **kw}
+                return Target(**kw)
+
+        RenyiELBO.__module__ = PyroRenyi.__module__
+        replacement = RenyiELBO
+        modules = [pyro.infer, pyro.infer.renyi_elbo]
+    else:
+        raise pytest.UsageError(f"GRADROUTE_PEER_ELBO={MODE!r}: unknown mode")
+
+    global _OURS
+    _OURS = (replacement, _Instrumented)
+    for mod in modules:
+        setattr(mod, _REPLACED, replacement)
+    # test helper modules imported already (none normally: the plugin runs first)
+    for name, mod in list(sys.modules.items()):
+        if name.startswith("tests") and getattr(mod, _REPLACED, None) is original:
+            setattr(mod, _REPLACED, replacement)
+
+
+def _elbo_kind(value, depth=0) -> set[str]:
+    """``{"ours"}`` / ``{"other"}`` for ELBO classes or instances in a parametrize value."""
+    from pyro.infer.elbo import ELBO
+
+    if isinstance(value, type):
+        if any(value is c or issubclass(value, c) for c in _OURS):
+            return {"ours"}
+        return {"other"} if issubclass(value, ELBO) else set()
+    if isinstance(value, _OURS):
+        return {"ours", "instance"}
+    if isinstance(value, ELBO):
+        return {"other"}
+    kinds: set[str] = set()
+    if depth < 2 and isinstance(value, list | tuple | dict):
+        for v in value.values() if isinstance(value, dict) else value:
+            kinds |= _elbo_kind(v, depth + 1)
+    return kinds
+
+
+def pytest_configure(config):
+    _install()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Count tests given an instance; deselect tests parametrized by other ELBOs only.
+
+    A test whose parametrize values name some ELBO class or instance, none of them the
+    substituted one (``TraceGraph_ELBO``, ``JitTrace_ELBO``, ... cases of a test run for
+    several ELBOs), cannot build it: it is deselected to save time unless
+    ``GRADROUTE_PEER_ALL=1``.
+    """
+    keep, drop = [], []
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        kinds: set[str] = set()
+        if callspec is not None:
+            for v in callspec.params.values():
+                kinds |= _elbo_kind(v)
+        if "instance" in kinds:
+            _built.setdefault(item.nodeid, set()).add("param")
+        if kinds == {"other"} and not os.environ.get("GRADROUTE_PEER_ALL"):
+            drop.append(item)
+        else:
+            keep.append(item)
+    _deselected[0] += len(drop)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    _current[0] = item.nodeid
+    yield
+    _current[0] = None
+
+
+def _package_frame(excinfo) -> str | None:
+    frame = None
+    for entry in traceback.extract_tb(excinfo.tb):
+        if f"{os.sep}pyro_gradroute{os.sep}" in entry.filename:
+            path = entry.filename.split(f"{os.sep}pyro_gradroute{os.sep}", 1)[1]
+            frame = f"pyro_gradroute/{path}:{entry.lineno} in {entry.name}"
+    return frame
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    res = _results.setdefault(item.nodeid, {"outcome": "passed"})
+    if report.when == "call" and hasattr(report, "wasxfail"):
+        res["outcome"] = "xfailed" if report.skipped else "xpassed"
+        return
+    if report.skipped and res["outcome"] == "passed":
+        res["outcome"] = "skipped"
+        return
+    if report.failed:
+        res["outcome"] = "failed" if report.when == "call" else "error"
+        if call.excinfo is not None and "exc_type" not in res:
+            exc = call.excinfo.value
+            msg = str(exc).strip().splitlines()
+            res["when"] = report.when
+            res["exc_type"] = type(exc).__name__
+            res["message"] = (msg[0] if msg else "")[:300]
+            res["package_frame"] = _package_frame(call.excinfo)
+            last = traceback.extract_tb(call.excinfo.tb)[-1]
+            res["raised_at"] = f"{os.path.basename(last.filename)}:{last.lineno} in {last.name}"
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if not OUT:
+        return
+    tests = {}
+    for nodeid, how in _built.items():
+        res = dict(_results.get(nodeid, {"outcome": "not run"}))
+        res["built_by"] = sorted(how)
+        if nodeid in _coerced:
+            res["coerced_vectorize"] = True
+        tests[nodeid] = res
+    data = {
+        "mode": MODE,
+        "replaced": _REPLACED,
+        "collected": len(session.items),
+        "deselected_other_elbo": _deselected[0],
+        "tests": tests,
+    }
+    with open(OUT, "w") as f:
+        json.dump(data, f, indent=1, sort_keys=True)

@@ -1,0 +1,322 @@
+#!/usr/bin/env python
+"""Run Pyro's own ``tests/infer`` files with pyro_gradroute's ELBOs in place of Pyro's.
+
+Modes (``--elbo``, repeatable or comma-separated; default ``trace,stl,dreg``):
+
+* ``trace``: ``pyro_gradroute.infer.Trace_ELBO`` replaces ``pyro.infer.Trace_ELBO``;
+* ``stl``:   ``pyro_gradroute.infer.TraceSTL_ELBO`` replaces ``pyro.infer.Trace_ELBO``;
+* ``dreg``:  ``pyro_gradroute.infer.TraceDReG_ELBO`` replaces ``pyro.infer.RenyiELBO``
+  built with ``alpha=0`` (``vectorize_particles`` is forced on when ``num_particles > 1``,
+  since DReG draws coupled particles in one pass; ``--strict`` keeps the test's value).
+
+The substitution is done by a pytest plugin (``gradroute_peer_plugin.py``, loaded with
+``-p``) before any test module is imported. Only tests that actually build the
+substituted ELBO are counted. Every failure is rerun with Pyro's own class (instrumented
+the same way) so that failures of this environment are told apart from the package's.
+
+Needs a Pyro source checkout matching the installed pyro-ppl (nothing is fetched)::
+
+    git clone --branch 1.9.1 https://github.com/pyro-ppl/pyro /path/to/pyro-src
+    python tests/peer/run_pyro_tests.py --pyro-src /path/to/pyro-src
+
+(or set ``PYRO_SRC``). Only its ``tests/`` folder is used; the installed ``pyro`` is the
+one under test. This file is not collected by the repository's own ``pytest`` run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import fnmatch
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+# Default files (relative to tests/infer), with rough single-core seconds for scheduling.
+DEFAULT_FILES = {
+    "test_gradient.py": 60,
+    "test_valid_models.py": 60,
+    "test_inference.py": 300,
+    "test_elbo_mapdata.py": 20,
+    "test_conjugate_gradients.py": 20,
+    "test_autoguide.py": 200,
+    "test_predictive.py": 20,
+    "test_compute_downstream_costs.py": 20,
+    "test_abstract_infer.py": 10,
+    "test_multi_sample_elbos.py": 10,
+    "test_jit.py": 60,
+    "autoguide/test_inference.py": 100,
+    "autoguide/test_gaussian.py": 60,
+    "reparam/test_conjugate.py": 30,
+    "reparam/test_strategies.py": 30,
+    "reparam/test_stable.py": 30,
+    "reparam/test_split.py": 20,
+    "reparam/test_neutra.py": 30,
+    "reparam/test_structured.py": 30,
+}
+
+MODES = {
+    # mode: (name replaced in pyro.infer, baseline mode with Pyro's own class, label)
+    "trace": ("Trace_ELBO", "pyro-trace", "pyro_gradroute Trace_ELBO"),
+    "stl": ("Trace_ELBO", "pyro-trace", "pyro_gradroute TraceSTL_ELBO"),
+    "dreg": ("RenyiELBO", "pyro-renyi", "pyro_gradroute TraceDReG_ELBO (for RenyiELBO alpha=0)"),
+    "pyro-trace": ("Trace_ELBO", None, "pyro Trace_ELBO (baseline)"),
+    "pyro-renyi": ("RenyiELBO", None, "pyro RenyiELBO alpha=0 (baseline)"),
+}
+
+# Reasons for failures that were examined by hand: (mode, node id glob, reason).
+# Checked in order; the first match wins. "bug:" reasons are listed first in the report.
+KNOWN = [
+    # filled in from the runs (see the report in the commit message / README section)
+]
+
+HOWTO = """\
+A Pyro source checkout matching the installed pyro-ppl {version} is needed (only its
+tests/ folder is used). Get one with, e.g.:
+
+    git clone --branch 1.9.1 https://github.com/pyro-ppl/pyro /path/to/pyro-src
+
+(or `git --git-dir=<bare mirror> archive <commit> tests setup.cfg | tar -x -C DIR`)
+and pass --pyro-src /path/to/pyro-src or set PYRO_SRC."""
+
+
+def installed_pyro_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("pyro-ppl")
+    except Exception:
+        return "?"
+
+
+def check_pyro_src(path: str | None) -> Path:
+    version = installed_pyro_version()
+    if not path:
+        sys.exit(f"error: no Pyro source given.\n{HOWTO.format(version=version)}")
+    src = Path(path).expanduser().resolve()
+    if not (src / "tests" / "infer").is_dir() or not (src / "tests" / "conftest.py").is_file():
+        sys.exit(
+            f"error: {src} has no tests/infer and tests/conftest.py.\n"
+            + HOWTO.format(version=version)
+        )
+    init = src / "pyro" / "__init__.py"
+    if init.is_file():
+        text = init.read_text()
+        for line in text.splitlines():
+            if line.startswith("version_prefix") or line.startswith("__version__"):
+                theirs = line.split("=", 1)[1].strip().strip("\"'")
+                if theirs.rsplit(".", 1)[0] != version.rsplit(".", 1)[0]:
+                    print(
+                        f"warning: checkout is Pyro {theirs}, installed pyro-ppl is {version}",
+                        file=sys.stderr,
+                    )
+                break
+    return src
+
+
+def run_pytest(src: Path, mode: str, args: list[str], timeout: float, strict: bool) -> dict:
+    """One pytest process in ``src`` with the plugin in ``mode``; returns the plugin's JSON."""
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        out = f.name
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env["GRADROUTE_PEER_ELBO"] = mode
+    env["GRADROUTE_PEER_OUT"] = out
+    if strict:
+        env["GRADROUTE_PEER_STRICT"] = "1"
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("MKL_NUM_THREADS", "1")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rN", "--tb=no", "-p", "gradroute_peer_plugin"]
+    cmd += (
+        ["-p", "no:cacheprovider", "-c", str(src / "setup.cfg")]
+        if (src / "setup.cfg").is_file()
+        else ["-p", "no:cacheprovider"]
+    )
+    cmd += ["--rootdir", str(src), *args]
+    t0 = time.time()
+    try:
+        proc = subprocess.run(
+            cmd, cwd=src, env=env, capture_output=True, text=True, timeout=timeout
+        )
+        tail, rc = (proc.stdout + proc.stderr)[-3000:], proc.returncode
+    except subprocess.TimeoutExpired as e:
+        tail, rc = f"timed out after {timeout}s\n{(e.stdout or '')[-2000:]}", "timeout"
+    try:
+        data = json.loads(Path(out).read_text() or "{}")
+    except (OSError, json.JSONDecodeError):
+        data = {}
+    Path(out).unlink(missing_ok=True)
+    data.setdefault("tests", {})
+    data.setdefault("collected", 0)
+    data["rc"], data["tail"], data["seconds"] = rc, tail, time.time() - t0
+    return data
+
+
+def mentions(path: Path, name: str) -> bool:
+    try:
+        return name in path.read_text()
+    except OSError:
+        return False
+
+
+def classify(mode: str, nodeid: str, res: dict) -> str:
+    for m, pattern, reason in KNOWN:
+        if m == mode and fnmatch.fnmatchcase(nodeid, pattern):
+            return reason
+    base = res.get("baseline")
+    if base in ("failed", "error"):
+        return "environment: fails with Pyro's own class too"
+    exc = res.get("exc_type", "")
+    frame = res.get("package_frame")
+    if exc and exc != "AssertionError" and frame:
+        return f"possible bug: {exc} raised in {frame}"
+    if exc == "AssertionError":
+        return "unclassified assertion failure (value/behaviour differs from Pyro's)"
+    return f"unclassified: {exc or res.get('outcome')}"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--pyro-src", default=os.environ.get("PYRO_SRC"), help="Pyro checkout")
+    p.add_argument("--elbo", action="append", help="trace, stl, dreg (default: all three)")
+    p.add_argument("--files", nargs="+", help="test files, relative to tests/infer")
+    p.add_argument("--jobs", "-j", type=int, default=min(2, os.cpu_count() or 1))
+    p.add_argument("--timeout", type=float, default=1200, help="seconds per file")
+    p.add_argument("--no-baseline", action="store_true", help="don't rerun failures on Pyro's")
+    p.add_argument("--strict", action="store_true", help="dreg: keep vectorize_particles=False")
+    p.add_argument("--json", help="write all results here")
+    p.add_argument("-k", dest="keyword", help="passed to pytest -k")
+    args = p.parse_args(argv)
+
+    src = check_pyro_src(args.pyro_src)
+    modes = [m for e in (args.elbo or ["trace,stl,dreg"]) for m in e.split(",") if m]
+    for m in modes:
+        if m not in MODES:
+            p.error(f"unknown --elbo {m!r}: choose from {', '.join(MODES)}")
+    files = args.files or list(DEFAULT_FILES)
+    files = [f.removeprefix("tests/infer/") for f in files]
+    for f in files:
+        if not (src / "tests" / "infer" / f).is_file():
+            p.error(f"no such file: {src / 'tests' / 'infer' / f}")
+    extra = ["-k", args.keyword] if args.keyword else []
+
+    print(f"pyro-ppl {installed_pyro_version()}, Pyro tests from {src}")
+    commit = src / "PYRO_COMMIT"
+    if commit.is_file():
+        print(f"Pyro tests at commit {commit.read_text().strip()}")
+    results = {}
+    t_start = time.time()
+    for mode in modes:
+        replaced, baseline, label = MODES[mode]
+        todo = [f for f in files if mentions(src / "tests" / "infer" / f, replaced)]
+        skipped = [f for f in files if f not in todo]
+        todo.sort(key=lambda f: -DEFAULT_FILES.get(f, 30))  # longest first
+        print(f"\n== {mode}: {label} replaces pyro.infer.{replaced}")
+        if skipped:
+            print(f"   (files not mentioning {replaced}, skipped: {', '.join(skipped)})")
+        per_file, tests = {}, {}
+        with cf.ThreadPoolExecutor(max(1, args.jobs)) as pool:
+            futs = {
+                pool.submit(
+                    run_pytest,
+                    src,
+                    mode,
+                    [f"tests/infer/{f}", *extra],
+                    args.timeout,
+                    args.strict,
+                ): f
+                for f in todo
+            }
+            for fut in cf.as_completed(futs):
+                f, data = futs[fut], fut.result()
+                per_file[f] = data
+                tests.update(data["tests"])
+                n_built = len(data["tests"])
+                n_ok = sum(r["outcome"] == "passed" for r in data["tests"].values())
+                note = "" if data["rc"] in (0, 1, 5) else f"  [pytest rc={data['rc']}]"
+                print(
+                    f"   {f:36s} {data['seconds']:6.0f}s  collected {data['collected']:4d}"
+                    f"  built {n_built:4d}  passed {n_ok:4d}{note}",
+                    flush=True,
+                )
+                if data["rc"] not in (0, 1, 5):
+                    print("      " + data["tail"].strip().replace("\n", "\n      ")[-1500:])
+        failures = {k: v for k, v in tests.items() if v["outcome"] in ("failed", "error")}
+        if failures and baseline and not args.no_baseline:
+            by_file: dict[str, list[str]] = {}
+            for nodeid in failures:
+                by_file.setdefault(nodeid.split("::", 1)[0], []).append(nodeid)
+            print(f"   rerunning {len(failures)} failure(s) with {MODES[baseline][2]} ...")
+            with cf.ThreadPoolExecutor(max(1, args.jobs)) as pool:
+                outs = pool.map(
+                    lambda ids, b=baseline: run_pytest(src, b, ids, args.timeout, args.strict),
+                    list(by_file.values()),
+                )
+                for data in outs:
+                    for nodeid, r in data["tests"].items():
+                        if nodeid in failures:
+                            failures[nodeid]["baseline"] = r["outcome"]
+            for r in failures.values():
+                r.setdefault("baseline", "not built")
+        for nodeid, r in failures.items():
+            r["reason"] = classify(mode, nodeid, r)
+        results[mode] = {"label": label, "replaced": replaced, "files": per_file, "tests": tests}
+
+    # ------------------------------------------------------------------ report
+    print(f"\n== Summary ({time.time() - t_start:.0f}s)\n")
+    head = f"{'ELBO':8s} {'replaces':12s} {'collected':>9s} {'built':>6s} {'passed':>6s}"
+    head += f" {'failed':>6s} {'skip/xf':>7s} {'env':>4s}"
+    print(head)
+    print("-" * len(head))
+    for mode, res in results.items():
+        t = res["tests"]
+        collected = sum(d["collected"] for d in res["files"].values())
+        n = {o: sum(r["outcome"] == o for r in t.values()) for o in ("passed", "failed", "error")}
+        other = len(t) - n["passed"] - n["failed"] - n["error"]
+        env = sum(r.get("reason", "").startswith("environment") for r in t.values())
+        print(
+            f"{mode:8s} {res['replaced']:12s} {collected:9d} {len(t):6d} {n['passed']:6d}"
+            f" {n['failed'] + n['error']:6d} {other:7d} {env:4d}"
+        )
+    for mode, res in results.items():
+        t = res["tests"]
+        fails = {k: v for k, v in t.items() if v["outcome"] in ("failed", "error")}
+        n_ok = sum(r["outcome"] == "passed" for r in t.values())
+        print(
+            f"\n{mode}: {n_ok} of the {len(t)} tests that build {res['replaced']} pass"
+            f" ({res['label']})."
+        )
+        if not fails:
+            continue
+        order = sorted(
+            fails.items(),
+            key=lambda kv: (
+                not kv[1]["reason"].startswith(("bug", "possible bug")),
+                kv[1]["reason"],
+                kv[0],
+            ),
+        )
+        reason = None
+        for nodeid, r in order:
+            if r["reason"] != reason:
+                reason = r["reason"]
+                print(f"  -- {reason}")
+            where = r.get("package_frame") or r.get("raised_at") or ""
+            msg = r.get("message", "")
+            detail = f"{r.get('exc_type', r['outcome'])}: {msg[:160]}" if msg else r.get("exc_type")
+            print(f"     {nodeid}")
+            print(f"         {detail}  [{where}] (Pyro's class: {r.get('baseline', '?')})")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1, sort_keys=True, default=str))
+        print(f"\nresults written to {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
