@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pyro
+import pyro.poutine as poutine
 import torch
 from pyro.infer import SVI
 
@@ -168,6 +169,17 @@ def _run_one(build, name, seed, steps, lr, num_particles, snr_draws, num_samples
     steps = p.steps if steps is None else steps
     elbo = make_elbo(name, num_particles or p.num_particles, _plate_depth(p))
     lr = lr or p.lr
+    try:  # vectorized particles need a model that vectorizes; else one particle at a time
+        with poutine.block(), torch.random.fork_rng(devices=[]):
+            elbo.loss(p.model, p.guide, *p.args, **p.kwargs)
+    except (RuntimeError, ValueError, IndexError) as e:
+        _say(f"{name}: the model does not run vectorized over particles "
+             f"({type(e).__name__}); fitting with vectorize_particles=False", quiet)  # fmt: skip
+        elbo = make_elbo(name, num_particles or p.num_particles, _plate_depth(p),
+                         vectorize_particles=False)  # fmt: skip
+        pyro.clear_param_store()
+        pyro.set_rng_seed(seed)
+        p = build()
     svi = SVI(p.model, p.guide, pyro.optim.Adam({"lr": lr}), elbo)
     losses: list[float] = []
     bar = range(steps)

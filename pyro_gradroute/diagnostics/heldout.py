@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 
+import pyro.poutine as poutine
 import torch
 from pyro.infer import Predictive, RenyiELBO
 
@@ -28,6 +29,30 @@ from .plates import trace_model
 
 def _num_observations(trace, observed) -> int:
     return sum(trace.nodes[k]["fn"].batch_shape.numel() for k in observed)
+
+
+def _heldout_log_probs(model, draws, heldout_args, kwargs, observed, base):
+    """``(site, (S,) + batch shape log p(x~ | z_s))`` for every observed site: one vectorized
+    ``Predictive`` pass, or one conditioned run per draw when the draws were made one by one."""
+    if draws.vectorized:
+        predictive = Predictive(model, posterior_samples=draws.latent_values(),
+                                num_samples=draws.num_samples, parallel=True)  # fmt: skip
+        trace = predictive.get_vectorized_trace(*heldout_args, **kwargs)
+        for name in observed:
+            site = trace.nodes[name]
+            log_p = site["fn"].log_prob(site["value"])
+            yield name, draws.per_draw(log_p, base.nodes[name]["fn"].batch_shape)
+        return
+    latent = draws.latent_values()
+    per_site: dict[str, list] = {name: [] for name in observed}
+    for s in range(draws.num_samples):
+        conditioned = poutine.condition(model, {k: v[s] for k, v in latent.items()})
+        trace = poutine.trace(conditioned).get_trace(*heldout_args, **kwargs)
+        for name in observed:
+            site = trace.nodes[name]
+            per_site[name].append(site["fn"].log_prob(site["value"]).detach())
+    for name in observed:
+        yield name, torch.stack(per_site[name])
 
 
 @torch.no_grad()
@@ -71,17 +96,11 @@ def heldout_log_likelihood(
         return (value, math.nan) if with_se else value
     if method != "predictive":
         raise ValueError(f"method must be 'predictive' or 'marginal', got {method!r}")
-    draws = importance_draws(model, guide, *train_args, num_samples=num_samples, **kwargs)
-    predictive = Predictive(
-        model, posterior_samples=draws.latent_values(), num_samples=num_samples, parallel=True
+    draws = importance_draws(
+        model, guide, *train_args, num_samples=num_samples, progress=False, **kwargs
     )
-    trace = predictive.get_vectorized_trace(*heldout_args, **kwargs)
     pointwise = []
-    for name in observed:
-        site = trace.nodes[name]
-        log_p = draws.per_draw(
-            site["fn"].log_prob(site["value"]), base.nodes[name]["fn"].batch_shape
-        )
+    for _, log_p in _heldout_log_probs(model, draws, heldout_args, kwargs, observed, base):
         pointwise.append((log_p.logsumexp(0) - math.log(num_samples)).reshape(-1))
     values = torch.cat(pointwise).double()
     value = float(values.sum()) / n

@@ -67,7 +67,7 @@ def _posterior_predictive(model, draws: ImportanceDraws, observed, args, kwargs)
         posterior_samples=draws.latent_values(),
         num_samples=draws.num_samples,
         return_sites=list(observed),
-        parallel=True,
+        parallel=draws.vectorized,
     )
     out = predictive(*args, **kwargs)
     base = draws.base_trace.nodes
@@ -83,6 +83,8 @@ def to_inference_data(
     posterior_predictive: bool = True,
     coords: Mapping[str, Sequence] | None = None,
     dims: Mapping[str, Sequence[str]] | None = None,
+    vectorize: bool | None = None,
+    progress: bool = True,
     **kwargs,
 ) -> Any:
     r"""Draw from a fitted ``guide`` and return an ``arviz.InferenceData`` (see module docs).
@@ -97,10 +99,15 @@ def to_inference_data(
         e.g. ``{"school": names}``.
     :param dims: dimension names per variable that replace the derived ones,
         e.g. ``{"w": ["feature"]}`` (listed in value order, batch then event dimensions).
+    :param vectorize: ``None`` (default): draw in one vectorized pass, falling back to one
+        draw at a time (with a warning) for a model that does not vectorize; ``False``: one at
+        a time; ``True``: vectorized or an error (see
+        :func:`~pyro_gradroute.diagnostics.draws.importance_draws`).
+    :param progress: show a progress bar when drawing one at a time.
     :param kwargs: the model's keyword arguments.
 
-    The model must be vectorizable over an outer plate (all batch dimensions declared with
-    ``pyro.plate``), as for ``Predictive(parallel=True)`` or ``vectorize_particles=True``.
+    Either way the result follows ArviZ's conventions: ``chain`` and ``draw`` dimensions, plate
+    dimensions named after their plates, with coordinates.
 
     Example::
 
@@ -125,6 +132,8 @@ def to_inference_data(
         *args,
         num_samples=num_samples,
         max_plate_nesting=max_plate_nesting,
+        vectorize=vectorize,
+        progress=progress,
         **kwargs,
     )
     base = draws.base_trace

@@ -100,13 +100,21 @@ def pareto_khat(log_ratios, rtol: float = 1e-6) -> PSISResult:
 
 
 def psis_khat(
-    model, guide, *args, num_samples: int = 1000, max_plate_nesting: int | None = None, **kwargs
+    model,
+    guide,
+    *args,
+    num_samples: int = 1000,
+    max_plate_nesting: int | None = None,
+    vectorize: bool | None = None,
+    progress: bool = True,
+    **kwargs,
 ) -> PSISResult:
     r"""Pareto :math:`\hat k` of ``guide`` as an importance proposal for ``model``'s posterior.
 
     Draws :math:`z_s \sim q`, :math:`s = 1..S`, computes :math:`\log p(x, z_s) - \log q(z_s)`
-    (vectorized, :func:`~pyro_gradroute.diagnostics.draws.importance_draws`) and fits the
-    tail with :func:`pareto_khat`.
+    (:func:`~pyro_gradroute.diagnostics.draws.importance_draws`: vectorized, or one draw at a
+    time for a model that does not vectorize; ``vectorize`` and ``progress`` as there) and
+    fits the tail with :func:`pareto_khat`.
 
     :returns: a float-like :class:`PSISResult` with ``.khat`` and ``.reading``.
 
@@ -124,6 +132,7 @@ def psis_khat(
         'unreliable'
     """
     draws = importance_draws(
-        model, guide, *args, num_samples=num_samples, max_plate_nesting=max_plate_nesting, **kwargs
-    )
+        model, guide, *args, num_samples=num_samples, max_plate_nesting=max_plate_nesting,
+        vectorize=vectorize, progress=progress, **kwargs,
+    )  # fmt: skip
     return pareto_khat(draws.log_ratios)
