@@ -23,6 +23,7 @@ MODULES = sorted(
 NO_EXAMPLES = {
     "pyro_gradroute.diagnostics",
     "pyro_gradroute.diagnostics._arviz",
+    "pyro_gradroute.distributed",
     "pyro_gradroute.diagnostics.plates",
     "pyro_gradroute.distributions",
     "pyro_gradroute.guides",
