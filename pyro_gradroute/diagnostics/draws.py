@@ -24,6 +24,7 @@ import torch
 from pyro.infer.importance import vectorized_importance_weights
 from pyro.poutine.util import prune_subsample_sites
 
+from .._compat import is_deterministic_site
 from .plates import max_plate_nesting as plate_depth
 from .plates import trace_model
 
@@ -96,7 +97,7 @@ def _sample_sites(trace):
 
 
 def _observed(site) -> bool:
-    return site["is_observed"] and not site["infer"].get("_deterministic")
+    return site["is_observed"] and not is_deterministic_site(site)
 
 
 def _vectorized(model, guide, args, kwargs, num_samples, nesting, base) -> ImportanceDraws:

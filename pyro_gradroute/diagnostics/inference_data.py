@@ -29,6 +29,7 @@ from pyro.infer import Predictive
 from pyro.poutine.uncondition_messenger import UnconditionMessenger
 from pyro.poutine.util import prune_subsample_sites
 
+from .._compat import is_deterministic_site
 from ._arviz import from_dict
 from .draws import ImportanceDraws, importance_draws
 from .plates import plate_coords, site_dims
@@ -45,7 +46,7 @@ def latent_and_observed(trace) -> tuple[list[str], list[str]]:
     for name, site in prune_subsample_sites(trace).nodes.items():
         if site["type"] != "sample":
             continue
-        if not site["is_observed"] or site["infer"].get("_deterministic"):
+        if not site["is_observed"] or is_deterministic_site(site):
             latent.append(name)
         elif not isinstance(site["fn"], Unit):
             observed.append(name)
@@ -57,7 +58,7 @@ class _UnconditionData(UnconditionMessenger):
     their Delta makes Pyro 1.9 draw wrongly shaped values)."""
 
     def _pyro_sample(self, msg) -> None:
-        if not msg["infer"].get("_deterministic"):
+        if not is_deterministic_site(msg):
             super()._pyro_sample(msg)
 
 

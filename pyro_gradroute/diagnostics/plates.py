@@ -10,6 +10,8 @@ from __future__ import annotations
 import pyro.poutine as poutine
 from pyro.poutine.util import prune_subsample_sites
 
+from .._compat import is_deterministic_site
+
 
 def trace_model(model, args: tuple, kwargs: dict):
     """One plain trace of ``model(*args, **kwargs)``, without recording into the param store."""
@@ -34,7 +36,7 @@ def site_dims(site) -> list[str]:
     frames = {f.dim: f.name for f in site["cond_indep_stack"] if f.vectorized}
     shape = site["value"].shape
     batch_ndim = len(shape) - len(site["fn"].event_shape)
-    if site["infer"].get("_deterministic"):  # pyro.deterministic makes every dim an event dim
+    if is_deterministic_site(site):  # pyro.deterministic makes every dim an event dim
         batch_ndim = len(shape)
     names, k = [], 0
     for i in range(len(shape)):

@@ -12,10 +12,10 @@ import torch
 from pyro.infer.autoguide import AutoGuide
 from pyro.infer.autoguide.initialization import InitMessenger, init_to_feasible, init_to_sample
 from pyro.infer.autoguide.utils import deep_setattr, helpful_support_errors
-from pyro.nn import PyroModule
 from pyro.ops.tensor_utils import periodic_repeat
 from torch.distributions import Distribution, Transform, biject_to, constraints
 
+from .._compat import SameNameContainer, pyro_name
 from .init import has_moment_init, moment_init, support_spread
 from .parametrized import ParametrizedDistribution, as_pyro_family
 from .support import family_support, match_support
@@ -24,14 +24,6 @@ __all__ = ["AutoMeanField", "FamilySpec"]
 
 #: a class for every site, ``{site name: class}`` (other sites: Normal), or ``site -> class | None``.
 FamilySpec = type | Mapping[str, type] | Callable[[dict], type | None]
-
-
-class _Factors(PyroModule):
-    """The container of the factor modules: its children are named as if they were attributes
-    of the guide itself (``AutoMeanField.{site}.{arg}``, the documented param-store names)."""
-
-    def _pyro_set_supermodule(self, name: str, context) -> None:
-        super()._pyro_set_supermodule(name.rpartition(".")[0], context)
 
 
 class _Factor:
@@ -226,7 +218,8 @@ class AutoMeanField(AutoGuide):
         try:
             self._check_names()
             self._factors = {}
-            self.factor_modules = _Factors()
+            # named as attributes of the guide: AutoMeanField.{site}.{arg}, the documented names
+            self.factor_modules = SameNameContainer()
             for name, site in self.prototype_trace.iter_stochastic_nodes():
                 factor = self._make_factor(name, site)
                 deep_setattr(self.factor_modules, name, factor.params)
@@ -275,7 +268,7 @@ class AutoMeanField(AutoGuide):
                 ) from None
         try:
             params = ParametrizedDistribution(
-                f"{self._pyro_name}.{name}", family, event_dim=event_dim - family_event_dim, **args
+                f"{pyro_name(self)}.{name}", family, event_dim=event_dim - family_event_dim, **args
             )
         except (TypeError, ValueError) as e:
             raise ValueError(f"{where}: {e}") from e

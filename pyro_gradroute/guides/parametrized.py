@@ -26,6 +26,8 @@ from pyro.distributions.torch_distribution import TorchDistributionMixin
 from pyro.nn import PyroModule, PyroParam
 from torch.distributions import Distribution, constraints, transform_to
 
+from .._compat import pyro_context, pyro_name
+
 __all__ = ["ParametrizedDistribution", "as_pyro_family"]
 
 
@@ -206,7 +208,7 @@ class ParametrizedDistribution(PyroModule):
     @property
     def name(self) -> str:
         """Prefix of the param-store names: the module's Pyro name."""
-        return self._pyro_name
+        return pyro_name(self)
 
     @staticmethod
     def _check_learnable(where, arg, constraint, value) -> None:
@@ -249,7 +251,7 @@ class ParametrizedDistribution(PyroModule):
         after ``pyro.get_param_store().load(...)``). Inside a subsampled ``pyro.plate`` the
         values are indexed by the subsample.
         """
-        with self._pyro_context:
+        with pyro_context(self):
             return {arg: getattr(self, arg) for arg in self.init}
 
     def parameters(self, recurse: bool = True) -> Iterator[torch.Tensor]:

@@ -1,0 +1,69 @@
+"""Every use of Pyro's private API in this package, in one place, with what it stands for.
+
+Pyro 1.9 has no public spelling for these. When Pyro changes one, only this module changes.
+Where a public API exists it is used instead (e.g. ``pyro.get_param_store().named_parameters()``
+for the unconstrained leaves, rather than the store's ``_params`` dict).
+
+Example::
+
+    >>> import pyro, pyro.distributions as dist, pyro.poutine as poutine
+    >>> from pyro_gradroute._compat import is_deterministic_site, param_store_leaves
+    >>> def model():
+    ...     pyro.deterministic("d", pyro.sample("z", dist.Normal(0.0, 1.0)) + 1)
+    >>> tr = poutine.trace(model).get_trace()
+    >>> is_deterministic_site(tr.nodes["d"]), is_deterministic_site(tr.nodes["z"])
+    (True, False)
+    >>> pyro.clear_param_store(); _ = pyro.param("w", lambda: dist.Normal(0.0, 1.0).sample())
+    >>> sorted(param_store_leaves())
+    ['w']
+"""
+
+from __future__ import annotations
+
+import pyro
+import torch
+from pyro.nn import PyroModule
+from pyro.poutine.subsample_messenger import _Subsample
+
+__all__ = [
+    "Subsample",
+    "SameNameContainer",
+    "is_deterministic_site",
+    "param_store_leaves",
+    "pyro_context",
+    "pyro_name",
+]
+
+#: the distribution of a ``pyro.plate``'s subsample site (``pyro.poutine.subsample_messenger``)
+Subsample = _Subsample
+
+
+def is_deterministic_site(site: dict) -> bool:
+    """Whether a trace site was made by ``pyro.deterministic`` (Pyro marks it with the private
+    ``infer["_deterministic"]`` flag; it is an observed ``Delta`` otherwise)."""
+    return bool(site["infer"].get("_deterministic", False))
+
+
+def param_store_leaves() -> dict[str, torch.Tensor]:
+    """``{name: unconstrained leaf}`` of Pyro's param store, through its public
+    ``named_parameters()``."""
+    return dict(pyro.get_param_store().named_parameters())
+
+
+def pyro_name(module: PyroModule) -> str:
+    """A PyroModule's full Pyro name (the prefix of its param-store names)."""
+    return module._pyro_name
+
+
+def pyro_context(module: PyroModule):
+    """A PyroModule's context: inside it, reading a ``PyroParam`` is a ``pyro.param`` statement
+    (what ``module(...)`` enters around ``forward``)."""
+    return module._pyro_context
+
+
+class SameNameContainer(PyroModule):
+    """A PyroModule whose children are named as if they were attributes of its parent
+    (overrides PyroModule's private ``_pyro_set_supermodule`` naming hook)."""
+
+    def _pyro_set_supermodule(self, name: str, context) -> None:
+        super()._pyro_set_supermodule(name.rpartition(".")[0], context)
