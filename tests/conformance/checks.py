@@ -26,6 +26,7 @@ from __future__ import annotations
 import fnmatch
 import math
 import os
+import re
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -48,7 +49,7 @@ Z = 5.0  # standard errors
 FULL = os.environ.get("GRADROUTE_CONFORMANCE_FULL", "") not in ("", "0")
 MULT = 16 if FULL else 1
 #: gradient draws per estimator (Trace/STL draws each average ``case.particles`` vectorized particles)
-DRAWS = {"Trace": 16, "STL": 24, "DReG1": 48, "DReGK": 64, "RWS": 64}
+DRAWS = {"Trace": 8, "STL": 16, "DReG1": 32, "DReGK": 96, "RWS": 96}
 ZERO_TOL = 1e-6  # float64 round-off at the exact posterior
 
 
@@ -81,16 +82,31 @@ def _param_names(fn, args) -> set:
     return {n for n, s in tr.nodes.items() if s["type"] == "param"}
 
 
+def _unalias():
+    """Give param-store entries that share storage their own copy (a guide initialized to a
+    model parameter's value, e.g. AutoNormalMessenger's ``init_to_mean``, aliases it), so that
+    moving one to the exact posterior leaves the other alone."""
+    store = pyro.get_param_store()
+    seen = set()
+    for name in sorted(store.keys()):
+        p = store._params[name]
+        if p.data_ptr() in seen:
+            store._params[name] = p.detach().clone().requires_grad_(p.requires_grad)
+        seen.add(p.data_ptr())
+
+
 @contextmanager
 def cell(case: Case):
     """A fresh build of ``case``: empty param store, seed 0, validation on, the case's dtype."""
-    old = torch.get_default_dtype()
+    old, threads = torch.get_default_dtype(), torch.get_num_threads()
     torch.set_default_dtype(case.dtype)
+    torch.set_num_threads(1)  # tiny tensors: threads only cost
     pyro.clear_param_store()
     pyro.set_rng_seed(0)
     pyro.enable_validation(True)
     try:
         b = case.build()
+        _unalias()
         pyro.set_rng_seed(0)
         guide_params = _param_names(b.guide, b.args) - _param_names(b.model, b.args)
         names = _leaves()
@@ -99,6 +115,7 @@ def cell(case: Case):
     finally:
         pyro.clear_param_store()
         torch.set_default_dtype(old)
+        torch.set_num_threads(threads)
 
 
 def blocked_mask(c: Cell) -> torch.Tensor:
@@ -271,7 +288,8 @@ def reference_grad(c: Cell, est: str, seed: int, model, guide) -> torch.Tensor:
 
         def run():
             _, surrogate = _hand(c, model, guide, rws=rws)
-            (-surrogate).backward()
+            if surrogate.requires_grad:  # else no parameter is reached (a Delta guide's wake-phi)
+                (-surrogate).backward()
 
         return seeded(seed, lambda: grad_of(c, run))[1]
     if rws:
@@ -295,8 +313,6 @@ def _probe(c: Cell, est: str, model, guide, spec: Raises | None) -> bool:
             0, lambda: grad_of(c, lambda: ours(est, c.case).loss_and_grads(model, guide, *c.args))
         )
     except spec.exc as e:
-        import re
-
         assert re.search(spec.match, str(e)), (
             f"raised {type(e).__name__} without naming {spec.match}: {e}"
         )
@@ -312,8 +328,15 @@ def check_raises(case: Case, est: str, routed: bool) -> None:
         elbo = ours(est, case)
         with pytest.raises(spec.exc, match=spec.match):
             seeded(0, lambda: elbo.loss_and_grads(model, guide, *c.args))
-        with pytest.raises(spec.exc, match=spec.match):
-            seeded(0, lambda: elbo.loss(model, guide, *c.args))
+        # the loss value itself is defined: loss() may raise likewise, or be right
+        try:
+            value = seeded(0, lambda: elbo.loss(model, guide, *c.args))
+        except spec.exc as e:
+            assert re.search(spec.match, str(e)), e
+        else:
+            ref = reference_loss(c, est, 0)
+            rtol, atol = _tols(case.dtype)
+            assert math.isclose(value, ref, rel_tol=rtol, abs_tol=atol), (value, ref)
 
 
 # ---------------------------------------------------------------- the checks
@@ -469,14 +492,18 @@ def check_routed(case: Case, est: str) -> str | None:
             g = seeded(
                 seed, lambda: grad_of(c, lambda: elbo.loss_and_grads(model, guide, *c.args))
             )[1]
-            naive = seeded(seed, lambda: _naive_routed(c, elbo, model, guide, block))
-            torch.testing.assert_close(
-                g,
-                naive,
-                rtol=rtol * 10,
-                atol=atol * 10,
-                msg=lambda m: f"{case.name}/{est}: routed != per-term naive\n{m}",
-            )
+            # With a score-function term the site's cost also reaches parameters through
+            # another site's term: the per-term split is not "every path" there (the scaled-by-0
+            # reference below is).
+            if not (case.score_guide and est in ("Trace", "STL", "DReG1")):
+                naive = seeded(seed, lambda: _naive_routed(c, elbo, model, guide, block))
+                torch.testing.assert_close(
+                    g,
+                    naive,
+                    rtol=rtol * 10,
+                    atol=atol * 10,
+                    msg=lambda m: f"{case.name}/{est}: routed != per-term naive\n{m}",
+                )
             if est in ("Trace", "STL", "DReG1"):
                 m0, g0 = scaled_pair(c, 0.0)
                 full = seeded(
