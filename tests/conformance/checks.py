@@ -488,6 +488,7 @@ def check_routed(case: Case, est: str) -> str | None:
         block = blocked_mask(c)
         rtol, atol = _tols(case.dtype)
         elbo = ours(est, case)
+        m0, g0 = scaled_pair(c, 0.0)
         for seed in (0, 1):
             g = seeded(
                 seed, lambda: grad_of(c, lambda: elbo.loss_and_grads(model, guide, *c.args))
@@ -505,7 +506,6 @@ def check_routed(case: Case, est: str) -> str | None:
                     msg=lambda m: f"{case.name}/{est}: routed != per-term naive\n{m}",
                 )
             if est in ("Trace", "STL", "DReG1"):
-                m0, g0 = scaled_pair(c, 0.0)
                 full = seeded(
                     seed, lambda: grad_of(c, lambda: elbo.loss_and_grads(c.model, c.guide, *c.args))
                 )[1]
