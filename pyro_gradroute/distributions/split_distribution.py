@@ -19,8 +19,17 @@ from dataclasses import dataclass, field
 import torch
 from pyro.distributions import TorchDistribution
 from pyro.distributions.score_parts import ScoreParts
+from torch.distributions import Distribution, kl_divergence, register_kl
 
-from .split import RelayGroup, Relay, SplitNotSupported, preimage_rsample, split_score_parts
+from .split import (
+    Relay,
+    RelayGroup,
+    SplitNotSupported,
+    delta_base,
+    preimage_rsample,
+    reaches_leaf_directly,
+    split_score_parts,
+)
 
 _EMPTY = torch.Size()
 
@@ -37,6 +46,7 @@ class SiteRecord:
     upstream: list = field(default_factory=list)
     infer: dict = field(default_factory=dict)
     split: bool = False
+    stl: bool = False  # score_parts carry the pathwise gradient
     parts: tuple | None = None  # (full ScoreParts, pathwise ScoreParts, score tensor)
 
 
@@ -47,13 +57,18 @@ class SplitBatch:
         site is evaluated the ordinary way, with ``fn.score_parts(value)``).
     :param fallback: ``(record, SplitNotSupported) -> bool``: whether a site that
         cannot be split is evaluated the ordinary way instead of raising.
+    :param pathwise: ``record -> bool``: the sites whose ``log_prob`` and ``score_parts``
+        (``log_prob`` and ``entropy_term``) carry only the pathwise gradient
+        (sticking the landing through Pyro's own ELBOs); the value is unchanged.
     """
 
     def __init__(
         self,
         needs_split: Callable[[SiteRecord], bool] | None = None,
         fallback: Callable[[SiteRecord, Exception], bool] | None = None,
+        pathwise: Callable[[SiteRecord], bool] | None = None,
     ):
+        self.pathwise = pathwise
         self.group = RelayGroup()
         self.records: dict[str, SiteRecord] = {}
         self.needs_split = needs_split
@@ -76,6 +91,7 @@ class SplitBatch:
         rec.split = bool(torch.is_tensor(value)) and (
             self.needs_split is None or self.needs_split(rec)
         )
+        rec.stl = rec.split and self.pathwise is not None and self.pathwise(rec)
         self.records[name] = rec
         if rec.split:
             self._pending.append(rec)
@@ -113,6 +129,39 @@ class SplitBatch:
             ) from e
         for rec, parts in zip(pending, out):
             rec.parts = parts
+            if rec.stl and rec.split:
+                check_delta_density(rec)
+
+    def score_parts(self, rec: SiteRecord) -> ScoreParts:
+        """What ``score_parts`` answers at the recorded sample (pathwise for ``stl`` sites)."""
+        full, path, _ = self.parts(rec)
+        if rec.stl and rec.split:
+            return ScoreParts(path.log_prob, full.score_function, path.entropy_term)
+        return full
+
+
+def check_delta_density(rec: SiteRecord) -> None:
+    """Raise if a Delta site's ``log_density`` depends on parameters other than through earlier draws.
+
+    A Delta's value is a deterministic function of earlier draws; its ``log_density``
+    (a Jacobian correction) is part of ``log q``. When it depends only on earlier
+    draws (AutoNormal, AutoDiagonalNormal, AutoMultivariateNormal, ...) its whole
+    gradient is pathwise, through those draws. When it depends on the guide's
+    parameters directly (``AutoStructured``: ``-log|scale|``), the pathwise part at a
+    fixed value needs the inverse of the guide's map, which is not available.
+    """
+    d = delta_base(rec.fn)
+    if d is None or not torch.is_tensor(d.log_density) or not d.log_density.requires_grad:
+        return
+    if reaches_leaf_directly(d.log_density, rec.upstream):
+        raise ValueError(
+            f"guide site '{rec.name}' is a Delta whose log_density depends on the guide's "
+            "parameters directly (as AutoStructured's sites do), so its pathwise part at a "
+            "fixed value is not available and dropping the score part would bias the "
+            "gradient. Use pyro_gradroute.infer.Trace_ELBO (or pyro.infer.RenyiELBO for an "
+            "importance-weighted bound) with this guide, or a guide whose Deltas are "
+            "functions of earlier draws only (AutoNormal, AutoMultivariateNormal, ...)."
+        )
 
 
 def _stop(t):
@@ -168,6 +217,14 @@ class SplitDistribution(TorchDistribution):
         return self.base_dist.sample(sample_shape)
 
     def _record(self, value):
+        if torch.jit.is_tracing():
+            raise NotImplementedError(
+                f"guide site '{self.name}': the one-pass score/pathwise split cannot be traced by "
+                "the JIT (JitTrace_ELBO, JitTraceGraph_ELBO, JitTraceEnum_ELBO): its backward "
+                "reads the evaluated graph of each step, which a traced program does not rebuild. "
+                "Use the non-JIT ELBO (Trace_ELBO, TraceGraph_ELBO, TraceEnum_ELBO) with "
+                "stick_the_landing, or pyro_gradroute.infer.TraceSTL_ELBO."
+            )
         rec = self.batch.records.get(self.name)
         return rec if rec is not None and rec.value is value else None
 
@@ -192,16 +249,22 @@ class SplitDistribution(TorchDistribution):
         rec = self._record(value)
         if rec is None:
             return self.base_dist.log_prob(value, *args, **kwargs)
-        return self.batch.parts(rec)[0].log_prob
+        return self.batch.score_parts(rec).log_prob
 
     def score_parts(self, value, *args, **kwargs):
         rec = self._record(value)
         if rec is None:
             return self.base_dist.score_parts(value, *args, **kwargs)
-        return self.batch.parts(rec)[0]
+        return self.batch.score_parts(rec)
 
     def enumerate_support(self, expand=True):
         return self.base_dist.enumerate_support(expand=expand)
 
     def expand(self, batch_shape, _instance=None):
         return SplitDistribution(self.base_dist.expand(batch_shape), self.batch, self.name)
+
+
+@register_kl(SplitDistribution, Distribution)
+def _kl_split(p: SplitDistribution, q: Distribution) -> torch.Tensor:
+    """An analytic KL (``TraceMeanField_ELBO``) is the base distribution's: it needs no split."""
+    return kl_divergence(p.base_dist, q)

@@ -69,6 +69,8 @@ class RoutedELBO(ELBO):
         """Whether a site that cannot be split may use its ordinary gradient instead."""
         return False
 
+    _pathwise = None  # optional record -> bool: sites whose score_parts carry the pathwise gradient
+
     def _get_trace(self, model, guide, args, kwargs):
         return get_split_importance_trace(
             self.max_plate_nesting,
@@ -78,6 +80,7 @@ class RoutedELBO(ELBO):
             kwargs,
             needs_split=self._needs_split,
             fallback=self._split_fallback,
+            pathwise=self._pathwise,
         )
 
     def _particle_terms(self, model_trace, guide_trace, blocks=None) -> tuple[float, Terms]:

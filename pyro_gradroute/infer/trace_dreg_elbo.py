@@ -10,9 +10,8 @@ from pyro.infer.util import get_dependent_plate_dims
 from pyro.poutine import Trace
 
 from ..distributions.split import _reached, is_delta, reaches_leaf_directly
-from ..distributions.split_distribution import SplitDistribution
+from ..distributions.split_distribution import SplitDistribution, check_delta_density
 from .elbo import RoutedELBO, Terms, add_term
-from .trace_stl_elbo import check_delta_density
 from .traces import get_split_importance_trace, site_parts
 
 
@@ -220,7 +219,13 @@ class TraceDReG_ELBO(RoutedELBO):
                     "doubly-reparameterized identity does not cover. Use pyro.infer.RenyiELBO"
                     "(alpha=0) for this guide, or a family with a plain rsample."
                 )
-            check_delta_density(site, type(self).__name__)
+            if isinstance(site["fn"], SplitDistribution):
+                rec = site["fn"].batch.records.get(name)
+                if rec is not None:
+                    try:
+                        check_delta_density(rec)
+                    except ValueError as e:
+                        raise ValueError(f"{type(self).__name__}: {e}") from None
 
     def _site_factors(self, guide_sites, w, outer) -> dict:
         """``name -> factor`` on the gradient through each guide site's value (see the class docs)."""
@@ -234,7 +239,9 @@ class TraceDReG_ELBO(RoutedELBO):
         draws = {
             n
             for n, s in guide_sites.items()
-            if torch.is_tensor(s["value"]) and s["value"].requires_grad and not is_delta(_base(s["fn"]))
+            if torch.is_tensor(s["value"])
+            and s["value"].requires_grad
+            and not is_delta(_base(s["fn"]))
         }
         factors: dict = {}
         for n in draws:

@@ -4,37 +4,8 @@ from __future__ import annotations
 
 import warnings
 
-import torch
-
-from ..distributions.split import delta_base, reaches_leaf_directly
-from ..distributions.split_distribution import SplitDistribution
+from ..poutine.stick_the_landing_messenger import uses_pathwise
 from .trace_elbo import Trace_ELBO
-from .traces import site_parts, site_upstream
-
-
-def check_delta_density(site, estimator: str) -> None:
-    """Raise if a Delta guide site's ``log_density`` depends on guide parameters directly.
-
-    A Delta's value is a deterministic function of earlier draws; its ``log_density``
-    (a Jacobian correction) is part of ``log q``. When that correction depends only on
-    earlier draws (AutoNormal, AutoDiagonalNormal, AutoMultivariateNormal, ...) its
-    whole gradient is pathwise, through those draws. When it depends on the guide's
-    parameters directly (``AutoStructured``: ``-log|scale|``), the pathwise part at a
-    fixed value needs the inverse of the guide's map, which is not available: raise.
-    """
-    fn = site["fn"]
-    d = delta_base(fn.base_dist if isinstance(fn, SplitDistribution) else fn)
-    if d is None or not torch.is_tensor(d.log_density) or not d.log_density.requires_grad:
-        return
-    if reaches_leaf_directly(d.log_density, site_upstream(site)):
-        raise ValueError(
-            f"{estimator}: guide site '{site['name']}' is a Delta whose log_density depends on "
-            "the guide's parameters directly (as AutoStructured's sites do), so its pathwise "
-            "part at a fixed value is not available and dropping the score part would bias "
-            "the gradient. Use pyro_gradroute.infer.Trace_ELBO (or pyro.infer.RenyiELBO for "
-            "an importance-weighted bound) with this guide, or a guide whose Deltas are "
-            "functions of earlier draws only (AutoNormal, AutoMultivariateNormal, ...)."
-        )
 
 
 class TraceSTL_ELBO(Trace_ELBO):
@@ -57,6 +28,10 @@ class TraceSTL_ELBO(Trace_ELBO):
     For a conditional guide :math:`q(z_1) q(z_2 \mid z_1)` the score part of the joint
     density holds *both* samples fixed, so :math:`\log q(z_2 \mid z_1; \bot(\phi))` keeps
     its path through :math:`z_1` (at any depth: each sample is a cut point).
+
+    This is the package's ``Trace_ELBO`` with the guide's sites split as
+    :func:`~pyro_gradroute.poutine.stick_the_landing` splits them (one mechanism:
+    the sites' ``score_parts`` carry the pathwise gradient), with routing.
 
     Drop-in for :class:`pyro.infer.Trace_ELBO`: same constructor arguments
     (``num_particles``, ``vectorize_particles``, ``max_plate_nesting``, ...), and the
@@ -95,7 +70,10 @@ class TraceSTL_ELBO(Trace_ELBO):
     """
 
     def _needs_split(self, site) -> bool:
-        return self._uses_pathwise(site)
+        return uses_pathwise(site)
+
+    def _pathwise(self, site) -> bool:  # the same mechanism as poutine.stick_the_landing
+        return uses_pathwise(site)
 
     def _split_fallback(self, site, error) -> bool:
         warnings.warn(
@@ -106,28 +84,3 @@ class TraceSTL_ELBO(Trace_ELBO):
             stacklevel=2,
         )
         return True
-
-    @staticmethod
-    def _uses_pathwise(site) -> bool:
-        get = site.get if isinstance(site, dict) else lambda k: getattr(site, k)
-        fn = get("fn")
-        fn = fn.base_dist if isinstance(fn, SplitDistribution) else fn
-        stl = get("infer").get("stl", None)
-        has_rsample = getattr(fn, "has_rsample", False)
-        if stl is True and not has_rsample:
-            raise ValueError(
-                f"Guide site '{get('name')}' is marked infer={{'stl': True}} but its "
-                f"distribution {type(fn).__name__} has no rsample, so it has no "
-                "pathwise gradient. Use a reparameterizable family or remove the mark "
-                "(non-reparameterized sites get the score-function estimator)."
-            )
-        return not (stl is False or not has_rsample)
-
-    def _entropy_term(self, site):
-        fn = site["fn"]
-        if not (self._uses_pathwise(site) and isinstance(fn, SplitDistribution)):
-            return site["score_parts"].entropy_term
-        if not fn.is_split(site["value"]):  # fell back to the ordinary gradient
-            return site["score_parts"].entropy_term
-        check_delta_density(site, type(self).__name__)
-        return site_parts(site)[1].entropy_term

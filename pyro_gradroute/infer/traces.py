@@ -79,6 +79,7 @@ def get_split_importance_trace(
     replay_values=None,
     needs_split=None,
     fallback=None,
+    pathwise=None,
 ):
     """Run the guide once and the model once against it; split the guide's log-densities.
 
@@ -87,10 +88,11 @@ def get_split_importance_trace(
         :class:`~pyro_gradroute.infer.TraceDReG_ELBO` needs); default the guide trace.
     :param needs_split: optional ``record -> bool``: the guide sites whose split parts the
         estimator uses, and ``fallback(record, error) -> bool`` for sites that cannot be
-        split (see :class:`~pyro_gradroute.distributions.split_distribution.SplitBatch`).
+        split, and ``pathwise(record) -> bool`` for the sites whose ``score_parts`` carry
+        the pathwise gradient (see :class:`~pyro_gradroute.distributions.split_distribution.SplitBatch`).
     :returns: ``(model_trace, guide_trace)`` with log-probabilities computed.
     """
-    batch = SplitBatch(needs_split, fallback)
+    batch = SplitBatch(needs_split, fallback, pathwise)
     unwrapped_guide = poutine.unwrap(guide)
     if isinstance(unwrapped_guide, poutine.messenger.Messenger):
         if replay_values is not None:

@@ -6,7 +6,7 @@ from pyro.poutine.messenger import Messenger
 from pyro.poutine.util import site_is_subsample
 
 from ..distributions.split_distribution import SplitBatch, SplitDistribution
-from .gated_distribution import SPECS_KEY, GatedDistribution
+from .gated_distribution import GatedDistribution
 
 
 class SplitMessenger(Messenger):
@@ -16,8 +16,8 @@ class SplitMessenger(Messenger):
     that it sees each site's final distribution. Samples are drawn through relays
     (cut points for the pathwise part of later conditional sites); the parts are
     evaluated once for the whole guide run by ``batch`` when first asked for.
-    ``block_grad`` gates on guide sites are taken off the distribution and kept in
-    the site's ``block_grad_specs`` for the routing engine.
+    A ``block_grad`` gate on a guide site stays outermost
+    (``GatedDistribution(SplitDistribution(fn))``), so Pyro's ELBOs still honour it.
 
     Example::
 
@@ -43,15 +43,26 @@ class SplitMessenger(Messenger):
         return not (msg["is_observed"] or site_is_subsample(msg) or msg["infer"].get("enumerate"))
 
     def _pyro_sample(self, msg) -> None:
-        if not self._latent(msg) or isinstance(msg["fn"], SplitDistribution):
-            return
         fn = msg["fn"]
+        if not self._latent(msg) or isinstance(_split_of(fn), SplitDistribution):
+            return
         if isinstance(fn, GatedDistribution):
-            msg[SPECS_KEY] = fn.specs  # type: ignore[literal-required]
-            fn = fn.base_dist
-        msg["fn"] = SplitDistribution(fn, self.batch, msg["name"])
+            msg["fn"] = GatedDistribution(
+                SplitDistribution(fn.base_dist, self.batch, msg["name"]), fn.specs
+            )
+        else:
+            msg["fn"] = SplitDistribution(fn, self.batch, msg["name"])
 
     def _pyro_post_sample(self, msg) -> None:
-        if not self._latent(msg) or not isinstance(msg["fn"], SplitDistribution):
+        split = _split_of(msg["fn"])
+        if (
+            not self._latent(msg)
+            or not isinstance(split, SplitDistribution)
+            or split.batch is not self.batch
+        ):
             return
-        self.batch.register(msg["name"], msg["fn"].base_dist, msg["value"], msg["infer"])
+        self.batch.register(msg["name"], split.base_dist, msg["value"], msg["infer"])
+
+
+def _split_of(fn):
+    return fn.base_dist if isinstance(fn, GatedDistribution) else fn

@@ -1,0 +1,672 @@
+r"""Adaptive estimators: STL / DReG plus a learned, per-element control variate on the score part.
+
+Both estimators write the gradient of one step as
+
+.. math::
+
+    g(b) = g_\text{path} + b \odot g_\text{cv},
+
+where :math:`g_\text{path}` is the estimator of the base class (:class:`TraceSTL_ELBO`,
+:class:`TraceDReG_ELBO`), :math:`g_\text{cv}` is a vector with mean zero, and :math:`b`
+holds one weight per parameter element, learned from running moments of earlier steps.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as torch_dist
+
+from ..distributions.split import is_delta
+from ..distributions.split_distribution import SplitDistribution
+from .elbo import Terms
+from .trace_dreg_elbo import TraceDReG_ELBO
+from .trace_stl_elbo import TraceSTL_ELBO
+from .traces import scaled, site_parts
+
+__all__ = ["TraceAdaptiveDReG_ELBO", "TraceAdaptiveSTL_ELBO"]
+
+
+# ----------------------------------------------------------------------------- moments
+class _ControlVariate:
+    """Per-parameter running moments and the weights ``b`` they give.
+
+    For every parameter that receives a control-variate gradient it keeps, with the same
+    shape as the parameter, exponential moving averages of ``(g_path - m) * g_cv`` and
+    ``g_cv ** 2`` (``m``: a running mean of ``g_path``, a third buffer, when ``center``).
+    """
+
+    def __init__(self, decay: float, clip: float | None, warmup: int, center: bool):
+        if not 0.0 <= decay < 1.0:
+            raise ValueError(f"decay must lie in [0, 1), got {decay}")
+        if clip is not None and not clip > 0:
+            raise ValueError(f"clip must be positive (a bound on |b|) or None, got {clip}")
+        if warmup < 0:
+            raise ValueError(f"warmup must be >= 0, got {warmup}")
+        self.decay, self.clip, self.warmup, self.center = decay, clip, int(warmup), center
+        self.state: dict[str, dict] = {}
+
+    def weight(self, name: str, like: torch.Tensor) -> torch.Tensor | None:
+        """``b`` for parameter ``name`` (``None`` means 0: no or too few earlier steps)."""
+        st = self.state.get(name)
+        if st is None or st["n"] < max(self.warmup, 1):
+            return None
+        ps, ss = st["ps"].to(like), st["ss"].to(like)
+        tiny = torch.finfo(ss.dtype).tiny
+        b = torch.where(ss > tiny, -ps / ss.clamp_min(tiny), torch.zeros_like(ps))
+        if self.clip is not None:
+            b = b.clamp(-self.clip, self.clip)
+        return b
+
+    def update(self, name: str, g_path: torch.Tensor, g_cv: torch.Tensor) -> None:
+        g_path, g_cv = g_path.detach(), g_cv.detach()
+        st = self.state.get(name)
+        if st is not None:  # a loaded state may live on another device
+            for k, v in st.items():
+                if torch.is_tensor(v):
+                    st[k] = v.to(g_cv)
+        if st is None or st["ps"].shape != g_cv.shape:
+            st = self.state[name] = {
+                "n": 0,
+                "ps": torch.zeros_like(g_cv),
+                "ss": torch.zeros_like(g_cv),
+            }
+            if self.center:
+                st["mean"] = g_path.clone()  # the first step's product is then 0
+        d = self.decay
+        centered = g_path - st["mean"] if self.center else g_path
+        st["ps"].mul_(d).add_(centered * g_cv, alpha=1 - d)
+        st["ss"].mul_(d).addcmul_(g_cv, g_cv, value=1 - d)
+        if self.center:
+            st["mean"].mul_(d).add_(g_path, alpha=1 - d)
+        st["n"] += 1
+
+    def state_dict(self) -> dict:
+        return {
+            "decay": self.decay,
+            "clip": self.clip,
+            "warmup": self.warmup,
+            "center": self.center,
+            "moments": {
+                k: {kk: (v.clone() if torch.is_tensor(v) else v) for kk, v in st.items()}
+                for k, st in self.state.items()
+            },
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.decay, self.clip = state["decay"], state["clip"]
+        self.warmup, self.center = state["warmup"], state["center"]
+        self.state = {
+            k: {kk: (v.clone() if torch.is_tensor(v) else v) for kk, v in st.items()}
+            for k, st in state["moments"].items()
+        }
+
+
+def _trace_params(*traces) -> list[torch.Tensor]:
+    """The leaf tensors of the ``param`` sites of the traces (unconstrained), in trace order."""
+    out: list[torch.Tensor] = []
+    seen: set[int] = set()
+    for trace in traces:
+        for site in trace.nodes.values():
+            if site["type"] != "param":
+                continue
+            v = site["value"]
+            leaf = v.unconstrained() if hasattr(v, "unconstrained") else v
+            if torch.is_tensor(leaf) and leaf.requires_grad and id(leaf) not in seen:
+                seen.add(id(leaf))
+                out.append(leaf)
+    return out
+
+
+def _param_key(p: torch.Tensor) -> str:
+    import pyro
+
+    name = pyro.get_param_store().param_name(p)
+    return name if name is not None else f"<unnamed parameter {id(p):x}>"
+
+
+def _world(distributed) -> int:
+    """World size to average the parts over (1: none)."""
+    if distributed is False:
+        return 1
+    ok = torch_dist.is_available() and torch_dist.is_initialized()
+    if not ok:
+        if distributed is True:
+            raise RuntimeError(
+                "distributed=True needs an initialized torch.distributed process group"
+            )
+        return 1
+    return torch_dist.get_world_size()
+
+
+def _allreduce_mean(tensors: list[torch.Tensor], world: int) -> list[torch.Tensor]:
+    if world == 1 or not tensors:
+        return tensors
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    backend = torch_dist.get_backend()
+    dev = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None
+    buf = flat.to(dev) if dev is not None else flat.cpu()
+    torch_dist.all_reduce(buf)
+    buf = buf.to(flat.device).div_(world)
+    out, i = [], 0
+    for t in tensors:
+        out.append(buf[i : i + t.numel()].view_as(t))
+        i += t.numel()
+    return out
+
+
+class _AdaptiveMixin:
+    """The step shared by both estimators (see :class:`TraceAdaptiveSTL_ELBO`)."""
+
+    _cv: _ControlVariate
+    _distributed: bool | None
+
+    def _init_cv(self, decay, clip, warmup, center, distributed) -> None:
+        self._cv = _ControlVariate(decay, clip, warmup, center)
+        self._distributed = distributed
+        self._collect: list | None = None  # per-particle stash, only inside loss_and_grads
+
+    # -- public state ---------------------------------------------------------------
+    @property
+    def decay(self) -> float:
+        return self._cv.decay
+
+    @property
+    def clip(self) -> float | None:
+        return self._cv.clip
+
+    def control_variate_weights(self) -> dict[str, torch.Tensor]:
+        """``{param name: b}`` (the weights the next step applies; zeros during warm-up)."""
+        out = {}
+        for name, st in self._cv.state.items():
+            b = self._cv.weight(name, st["ss"])
+            out[name] = torch.zeros_like(st["ss"]) if b is None else b
+        return out
+
+    def state_dict(self) -> dict:
+        """The running moments and settings, to resume the same estimator from a checkpoint."""
+        return self._cv.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self._cv.load_state_dict(state)
+
+    def reset(self) -> None:
+        """Forget the moments (the next step is the base estimator's, ``b = 0``)."""
+        self._cv.state.clear()
+
+    # -- the step -------------------------------------------------------------------
+    _cv_first = True  # whether the control variate's pass runs before the base backward
+
+    def _cv_grads(self, item, params, blocks, retain: bool) -> dict:
+        """``{param: g_cv}`` of one trace pair (the control variate, in loss space)."""
+        raise NotImplementedError
+
+    def loss_and_grads(self, model, guide, *args, **kwargs) -> float:
+        """Negative ELBO (or bound) as a float; accumulates :math:`g_\\text{path} + b \\odot g_\\text{cv}`."""
+        from pyro.util import warn_if_nan
+
+        from .. import routing
+
+        loss = 0.0
+        saved: dict[torch.Tensor, torch.Tensor | None] = {}  # param -> its .grad before this step
+        g_cv: dict[torch.Tensor, torch.Tensor] = {}
+        self._collect = []
+        try:
+            for elbo, terms, blocks, trainable in self._iter_particles(model, guide, args, kwargs):
+                loss -= elbo
+                item = self._collect.pop() if self._collect else None
+                if not (terms and trainable) or item is None:
+                    continue
+                params = item["params"]
+                for p in params:  # g_path is what the backward below accumulates from None
+                    if p not in saved:
+                        saved[p] = p.grad
+                        p.grad = None
+                self._before_backward(item, blocks)
+                if self._cv_first:  # the small pass first, then the base backward frees the graph
+                    cv = self._cv_grads(item, params, blocks, retain=True)
+                retain = True if not self._cv_first else self.retain_graph
+                if not blocks:
+                    (-sum(terms.values())).backward(retain_graph=retain)
+                else:
+                    routing.backward(
+                        {k: -v for k, v in terms.items()},
+                        block=blocks,
+                        retain_graph=retain,
+                        strict=False,
+                    )
+                if not self._cv_first:
+                    cv = self._cv_grads(item, params, blocks, retain=bool(self.retain_graph))
+                for p, g in cv.items():
+                    g_cv[p] = g if p not in g_cv else g_cv[p] + g
+                del item, terms
+        finally:
+            self._collect = None
+        names = {p: _param_key(p) for p in g_cv}
+        order = sorted(g_cv, key=lambda p: names[p])  # the same order on every rank
+        g_path = {p: (p.grad if p.grad is not None else torch.zeros_like(p)) for p in order}
+        # this step's weights come from earlier steps only
+        weights = {p: self._cv.weight(names[p], p) for p in order}
+        for p in order:
+            b = weights[p]
+            if b is not None:
+                p.grad = g_path[p] + b * g_cv[p]
+        world = _world(self._distributed)
+        flat = _allreduce_mean([g_path[p] for p in order] + [g_cv[p] for p in order], world)
+        n = len(order)
+        for p, gp, gc in zip(order, flat[:n], flat[n:]):
+            self._cv.update(names[p], gp, gc)
+        for p, old in saved.items():  # add back what .grad held before the step
+            if old is not None:
+                p.grad = old if p.grad is None else old.add_(p.grad)
+        warn_if_nan(loss, "loss")
+        return loss
+
+    def _before_backward(self, item, blocks) -> None:
+        pass
+
+
+def _blocked(blocks, key) -> frozenset:
+    entry = (blocks or {}).get(key)
+    if not entry:
+        return frozenset()
+    vals = entry.values() if isinstance(entry, dict) else entry
+    return frozenset(id(t) for t in vals if torch.is_tensor(t))
+
+
+def _grads_by_route(outputs_by_route: dict, params, retain_last: bool = False) -> dict:
+    """``sum over routes of d outputs / d params`` (allowed params only); ``{param: grad}``."""
+    out: dict = {}
+    items = [(blk, outs) for blk, outs in outputs_by_route.items() if outs[0]]
+    for i, (blk, (outs, seeds)) in enumerate(items):
+        inputs = [p for p in params if id(p) not in blk]
+        if not inputs:
+            continue
+        last = i == len(items) - 1
+        gs = torch.autograd.grad(
+            outs,
+            inputs,
+            seeds,
+            retain_graph=retain_last or not last,
+            allow_unused=True,
+        )
+        for p, g in zip(inputs, gs):
+            if g is not None:
+                out[p] = g if p not in out else out[p] + g
+    return out
+
+
+class _Cut:
+    """Set ``cut`` on relay groups for the duration of a ``with`` block."""
+
+    def __init__(self, groups):
+        self.groups = list(groups)
+
+    def __enter__(self):
+        for g in self.groups:
+            g.cut = True
+
+    def __exit__(self, *exc):
+        for g in self.groups:
+            g.cut = False
+
+
+def _score_tensor(site):
+    """The site's score part (log-density at the detached sample, scaled and masked) and relay group.
+
+    ``None`` for sites without a separate score part: not split (non-reparameterized,
+    ``infer={"stl": False}``, fallen back), Delta sites (their density reaches the
+    parameters only through earlier draws), and distributions whose entropy term is
+    not their log-density (``Rejector``: they keep STL's treatment).
+    """
+    fn = site["fn"]
+    if not isinstance(fn, SplitDistribution) or not fn.is_split(site["value"]):
+        return None
+    if is_delta(fn.base_dist):
+        return None
+    rec = fn.batch.records.get(site["name"])
+    if rec is None or rec.parts is None:
+        return None
+    full, _, score = rec.parts
+    if full.entropy_term is not full.log_prob or not torch.is_tensor(score):
+        return None
+    if not score.requires_grad:
+        return None
+    return scaled(site, score), fn.batch.group
+
+
+# ----------------------------------------------------------------------------- STL
+class TraceAdaptiveSTL_ELBO(_AdaptiveMixin, TraceSTL_ELBO):
+    r"""Trace ELBO whose score part is added back with a learned per-element weight.
+
+    **The estimator.** For a reparameterized guide :math:`z = g(\epsilon; \phi)` the
+    loss gradient of :class:`Trace_ELBO` splits into two parts,
+
+    .. math::
+
+        \underbrace{-\nabla_\phi\big[\log p(x, z) - \log q(z; \bot(\phi))\big]}_{g_\text{path}
+            \;(\text{STL})}
+        \;+\; \underbrace{\nabla_\phi \log q(\bot(z); \phi)}_{g_\text{score}},
+
+    where :math:`\bot` is stop-gradient; for a conditional guide
+    :math:`\log q(\bot(z); \phi) = \sum_i \log q_i(\bot(z_i) \mid \bot(z_{<i}); \phi)` holds
+    every sample fixed. The score part has mean zero for every :math:`\phi`:
+    :math:`\mathbb E_q[\nabla_\phi \log q(z;\phi)] = \nabla_\phi \int q = 0`. So for
+    any weight vector :math:`b` (one entry per parameter element) that does not depend
+    on the current draw,
+
+    .. math::
+
+        g(b) = g_\text{path} + b \odot g_\text{score},\qquad
+        \mathbb E[g(b)] = \mathbb E[g_\text{path}] = \nabla_\phi(-\text{ELBO}),
+
+    with :math:`b = 0` STL and :math:`b = 1` ``Trace_ELBO``. Elementwise,
+    :math:`\operatorname{Var} g(b) = \operatorname{Var} g_\text{path}
+    + 2b\operatorname{Cov}(g_\text{path}, g_\text{score}) + b^2 \operatorname{Var} g_\text{score}`
+    is smallest at
+
+    .. math::
+
+        b^\star = -\frac{\operatorname{Cov}(g_\text{path}, g_\text{score})}
+                       {\operatorname{Var} g_\text{score}}
+                = -\frac{\mathbb E[(g_\text{path} - \mathbb E g_\text{path})\, g_\text{score}]}
+                        {\mathbb E[g_\text{score}^2]},
+
+    where the variance is at most that of both STL and ``Trace_ELBO``. :math:`b^\star`
+    is estimated by exponential moving averages (factor ``decay``) of
+    :math:`(g_\text{path} - m)\,g_\text{score}` and :math:`g_\text{score}^2` over
+    earlier steps, :math:`m` a running mean of :math:`g_\text{path}` (``center=True``;
+    any :math:`m` fixed before the draw leaves the estimate consistent), optionally
+    clipped to :math:`|b| \le` ``clip``.
+
+    **Unbiasedness condition.** Step :math:`t` applies :math:`b_t` computed from steps
+    :math:`< t` only (the moments are updated *after* the step's gradient is formed).
+    Conditionally on the past, :math:`b_t` is then a constant and
+    :math:`\mathbb E[g_t \mid \text{past}] = \mathbb E[g_\text{path}] + b_t \odot
+    \mathbb E[g_\text{score}] = \nabla(-\text{ELBO})` at the current parameters: every
+    step is unbiased, whatever the moments hold. This needs (i) :math:`z` drawn from
+    :math:`q(\cdot;\phi)` itself, so that the score has mean zero (true for every
+    reparameterized site; the support must not depend on :math:`\phi`), and (ii)
+    :math:`b_t` independent of step :math:`t`'s draws (never reuse the same draw for
+    the moments and the step). With ``num_particles`` the moments are those of the
+    step's averaged gradient, whose :math:`b^\star` equals a single particle's.
+
+    **Cost.** One model and one guide pass, the base backward, and one small pruned
+    backward of the score parts with the sample relays cut (it reaches only the guide's
+    parameters directly), plus two (three with ``center``) buffers of each guide
+    parameter's size.
+
+    **Sites.** Sites without a score part (``Delta``, non-reparameterized sites,
+    ``infer={"stl": False}``, flows that cannot be split, ``Rejector``-like families with
+    their own ``score_parts``) contribute nothing to :math:`g_\text{score}`: they behave
+    as under :class:`TraceSTL_ELBO`. ``block_grad`` routes apply to both parts: a guide
+    site blocked from a parameter sends it neither its pathwise nor its score part.
+    Parameters are identified by their param-store name (``control_variate_weights()``,
+    ``state_dict()``).
+
+    **Distributed.** With an initialized ``torch.distributed`` group of more than one
+    process (``distributed=None``: detected; ``True``: required; ``False``: never), the
+    step's :math:`g_\text{path}` and :math:`g_\text{score}` are averaged over the ranks
+    (one ``all_reduce``) before the moments are updated, so :math:`b` is identical on
+    every rank and :class:`~pyro_gradroute.distributed.DistributedOptimizer`'s average of
+    the ranks' ``.grad`` is :math:`\bar g_\text{path} + b \odot \bar g_\text{score}`.
+    Every rank must then call ``loss_and_grads`` at every step.
+
+    Example::
+
+        >>> import torch, pyro, pyro.distributions as dist
+        >>> from pyro.infer import SVI
+        >>> from pyro.infer.autoguide import AutoNormal
+        >>> from pyro_gradroute.infer import TraceAdaptiveSTL_ELBO
+        >>> def model(x):
+        ...     mu = pyro.sample("mu", dist.Normal(0.0, 1.0))
+        ...     with pyro.plate("data", len(x)):
+        ...         pyro.sample("x", dist.Normal(mu, 1.0), obs=x)
+        >>> pyro.clear_param_store()
+        >>> elbo = TraceAdaptiveSTL_ELBO(num_particles=4, vectorize_particles=True, decay=0.9)
+        >>> svi = SVI(model, AutoNormal(model), pyro.optim.Adam({"lr": 0.05}), elbo)
+        >>> x = torch.randn(10)
+        >>> for _ in range(20):
+        ...     loss = svi.step(x)
+        >>> sorted(elbo.control_variate_weights())
+        ['AutoNormal.locs.mu', 'AutoNormal.scales.mu']
+        >>> state = elbo.state_dict()  # resume later with elbo.load_state_dict(state)
+
+    :param decay: EMA factor of the moments (effective memory about
+        ``(1 + decay) / (1 - decay)`` steps).
+    :param clip: optional bound on :math:`|b|`.
+    :param warmup: steps during which :math:`b = 0` (STL) while the moments fill.
+    :param center: subtract a running mean of :math:`g_\text{path}` in the covariance
+        (a third buffer); far from the optimum the mean gradient otherwise dominates
+        the noise of the estimate of :math:`b`.
+    :param distributed: average the parts over ``torch.distributed`` ranks (see above).
+
+    Other arguments are :class:`pyro.infer.Trace_ELBO`'s.
+    """
+
+    def __init__(
+        self,
+        num_particles: int = 1,
+        max_plate_nesting: float = math.inf,
+        *args,
+        decay: float = 0.99,
+        clip: float | None = None,
+        warmup: int = 10,
+        center: bool = True,
+        distributed: bool | None = None,
+        **kwargs,
+    ):
+        super().__init__(num_particles, max_plate_nesting, *args, **kwargs)
+        self._init_cv(decay, clip, warmup, center, distributed)
+
+    def _particle_terms(self, model_trace, guide_trace, blocks=None) -> tuple[float, Terms]:
+        elbo, terms = super()._particle_terms(model_trace, guide_trace, blocks)
+        if self._collect is not None and torch.is_grad_enabled():
+            scores = []
+            for name, site in guide_trace.nodes.items():
+                if site["type"] != "sample" or site["is_observed"]:
+                    continue
+                s = _score_tensor(site)
+                if s is not None:
+                    scores.append((("guide", name), s[0].sum(), s[1]))
+            self._collect.append(
+                {"params": _trace_params(model_trace, guide_trace), "scores": scores}
+            )
+        return elbo, terms
+
+    def _cv_grads(self, item, params, blocks, retain: bool) -> dict:
+        scores = item["scores"]
+        if not scores:
+            return {}
+        n = self._particle_divisor()
+        by_route: dict = {}
+        for key, s, _ in scores:
+            outs, seeds = by_route.setdefault(_blocked(blocks, key), ([], []))
+            outs.append(s / n if n > 1 else s)
+            seeds.append(torch.ones_like(s))
+        with _Cut(g for _, _, g in scores):
+            return _grads_by_route(by_route, params, retain_last=retain)
+
+
+# ----------------------------------------------------------------------------- DReG
+class TraceAdaptiveDReG_ELBO(_AdaptiveMixin, TraceDReG_ELBO):
+    r"""The IWAE bound whose guide gradient mixes IWAE's and DReG's with a learned weight.
+
+    With normalized weights :math:`\tilde w_k` and :math:`a_k = \partial_{z_k} \log w_k
+    \cdot \partial z_k / \partial\phi` (the path through the sample, other samples held
+    fixed along each link), the guide gradients of the IWAE bound (ascent direction) are
+
+    .. math::
+
+        g_\text{IWAE} = \sum_k \tilde w_k \big(a_k - \nabla_\phi \log q(\bot(z_k);\phi)\big),
+        \qquad
+        g_\text{DReG} = \sum_k \tilde w_k^2\, a_k,
+
+    and both have the same expectation (Tucker et al. 2019, eq. 5), so their
+    difference
+
+    .. math::
+
+        g_\text{cv} = g_\text{IWAE} - g_\text{DReG}
+            = \sum_k (\tilde w_k - \tilde w_k^2)\, a_k - \sum_k \tilde w_k
+              \nabla_\phi \log q(\bot(z_k);\phi)
+
+    has mean zero (per site with scale :math:`c` the path factor is
+    :math:`1 - (1 - c + c\tilde w_k)`). The step's guide gradient is
+    :math:`g_\text{DReG} + b \odot g_\text{cv}` with :math:`b` from earlier steps, estimated
+    as in :class:`TraceAdaptiveSTL_ELBO` (``b = 0``: DReG, ``b = 1``: IWAE); the same
+    unbiasedness condition holds. Model parameters get the IWAE gradient, as in
+    :class:`TraceDReG_ELBO` (a parameter shared by model and guide gets IWAE's model
+    part plus the mixed guide part).
+
+    **Cost.** One model and one guide pass; the base backward keeps the graph, and
+    :math:`g_\text{cv}` is one backward of the *guide* graph only: the gradient the
+    model sent to each sample is captured during the base backward and re-seeded with
+    the factor :math:`1 - f_k`, so the model is not differentiated twice. Then a small
+    pass of the score parts with the relays cut. ``block_grad`` routes are not
+    supported (the captured model gradient mixes the routes): a clear error.
+
+    Example::
+
+        >>> import torch, pyro, pyro.distributions as dist
+        >>> from pyro_gradroute.infer import TraceAdaptiveDReG_ELBO
+        >>> def model(x):
+        ...     with pyro.plate("data", len(x)):
+        ...         z = pyro.sample("z", dist.Normal(0.0, 1.0))
+        ...         pyro.sample("x", dist.Normal(z, 0.5), obs=x)
+        >>> def guide(x):
+        ...     w = pyro.param("w", torch.tensor(0.5))
+        ...     with pyro.plate("data", len(x)):
+        ...         pyro.sample("z", dist.Normal(w * x, 0.6))
+        >>> pyro.clear_param_store()
+        >>> elbo = TraceAdaptiveDReG_ELBO(num_particles=8, warmup=2)
+        >>> x = torch.randn(10)
+        >>> for _ in range(3):
+        ...     loss = elbo.loss_and_grads(model, guide, x)
+        >>> list(elbo.control_variate_weights())
+        ['w']
+
+    Arguments are :class:`TraceDReG_ELBO`'s plus ``decay``, ``clip``, ``warmup``,
+    ``center`` and ``distributed`` (see :class:`TraceAdaptiveSTL_ELBO`).
+    """
+
+    def __init__(
+        self,
+        num_particles: int = 2,
+        vectorize_particles: bool = True,
+        *,
+        decay: float = 0.99,
+        clip: float | None = None,
+        warmup: int = 10,
+        center: bool = True,
+        distributed: bool | None = None,
+        **kwargs,
+    ):
+        super().__init__(
+            num_particles=num_particles, vectorize_particles=vectorize_particles, **kwargs
+        )
+        self._init_cv(decay, clip, warmup, center, distributed)
+        self._last_factors = None
+
+    def _site_factors(self, guide_sites, w, outer) -> dict:
+        factors = super()._site_factors(guide_sites, w, outer)
+        self._last_factors = (w, factors)
+        return factors
+
+    def _particle_terms(self, model_trace, guide_trace, blocks=None) -> tuple[float, Terms]:
+        elbo, terms = super()._particle_terms(model_trace, guide_trace, blocks)
+        if self._collect is None or not torch.is_grad_enabled():
+            return elbo, terms
+        w, factors = self._last_factors
+        self._last_factors = None
+        w = w.detach()
+        seeds, paths, scores = [], [], []  # (guide value, model value, 1 - f, event dim)
+        for name, site in guide_trace.nodes.items():
+            if site["type"] != "sample" or site["is_observed"]:
+                continue
+            f = factors.get(name, 1.0)
+            one_minus_f = 1 - f
+            if torch.is_tensor(one_minus_f) or one_minus_f != 0:
+                z = site["value"]
+                msite = model_trace.nodes.get(name)
+                v = msite["value"] if msite is not None else None
+                if torch.is_tensor(v) and v is not z and v.requires_grad:
+                    event_dim = getattr(site["fn"], "event_dim", 0)
+                    seeds.append(_Capture(z, v, one_minus_f, event_dim))
+                path = site_parts(site)[1].log_prob
+                if torch.is_tensor(path) and path.requires_grad:
+                    paths.append((w * one_minus_f * path).sum())
+            s = _score_tensor(site)
+            if s is not None:
+                scores.append(((w * s[0]).sum(), s[1]))
+        self._collect.append(
+            {
+                "params": _trace_params(model_trace, guide_trace),
+                "seeds": seeds,
+                "paths": paths,
+                "scores": scores,
+            }
+        )
+        return elbo, terms
+
+    def _before_backward(self, item, blocks) -> None:
+        if blocks and (item["seeds"] or item["paths"] or item["scores"]):
+            raise NotImplementedError(
+                "TraceAdaptiveDReG_ELBO does not support block_grad routes: its control "
+                "variate re-seeds the gradient the model sent to each sample, which mixes "
+                "the routes. Use TraceDReG_ELBO (routes supported) or remove the marks."
+            )
+        for c in item["seeds"]:
+            c.register()
+
+    _cv_first = False  # it needs the model's gradients, captured during the base backward
+
+    def _cv_grads(self, item, params, blocks, retain: bool) -> dict:
+        outs, grads = [], []
+        for c in item["seeds"]:
+            if c.grad is not None:
+                outs.append(c.z)
+                grads.append(c.seed())
+        for p in item["paths"]:
+            outs.append(p)
+            grads.append(torch.ones_like(p))
+        scores = item["scores"]
+        out: dict = {}
+        if outs:
+            out = _grads_by_route({frozenset(): (outs, grads)}, params, retain_last=True)
+        if scores:
+            with _Cut(g for _, g in scores):
+                sg = _grads_by_route(
+                    {
+                        frozenset(): (
+                            [s for s, _ in scores],
+                            [torch.ones_like(s) for s, _ in scores],
+                        )
+                    },
+                    params,
+                    retain_last=retain,
+                )
+            for p, g in sg.items():
+                out[p] = g if p not in out else out[p] + g
+        return out
+
+
+class _Capture:
+    """The loss gradient the model sends to one sample (captured by a hook on its replayed value)."""
+
+    def __init__(self, z, v, factor, event_dim):
+        self.z, self.v, self.factor, self.event_dim = z, v, factor, event_dim
+        self.grad = None
+
+    def register(self) -> None:
+        def hook(g):
+            self.grad = g if self.grad is None else self.grad + g
+
+        self.v.register_hook(hook)
+
+    def seed(self) -> torch.Tensor:
+        f = self.factor
+        if torch.is_tensor(f):
+            f = f.reshape(f.shape + (1,) * self.event_dim)
+        return self.grad * f
