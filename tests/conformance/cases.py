@@ -516,7 +516,7 @@ def _scale_tensor():
     """Global ``mu`` and local ``z_i`` under ``poutine.scale`` with a tensor scale, in model and guide."""
     g = torch.Generator().manual_seed(7)
     x = torch.randn(4, generator=g) + 0.5
-    c = torch.tensor([0.5, 2.0, 1.0, 3.0])
+    c = torch.tensor([0.25, 4.0, 1.0, 6.0])
 
     def model():
         mu = pyro.sample("mu", dist.Normal(0.0, 1.0))
@@ -736,7 +736,7 @@ def _poisson():
 
 def _masked_nonreparam():
     """A guide site ``Bernoulli(p).mask(m)``: Pyro masks its log-density, not its score function."""
-    x = torch.tensor([1.2, 0.3])
+    x = torch.tensor([1.2, 3.0])
     keep = torch.tensor([True, False])
 
     def model():
@@ -753,6 +753,21 @@ def _masked_nonreparam():
     return Built(model, guide)
 
 
+def _sigmoid_tail_autonormal():
+    """The same site under AutoNormal (``biject_to(unit_interval)``: a sigmoid), deep in the tail."""
+    k = torch.ones(50)
+
+    def model():
+        p = pyro.sample("p", dist.Beta(2.0, 2.0))
+        with pyro.plate("data", 50):
+            pyro.sample("k", dist.Bernoulli(p), obs=k)
+
+    init = ag.init_to_value(values={"p": torch.sigmoid(torch.tensor(15.5))})
+    guide = ag.AutoNormal(model, init_loc_fn=init, init_scale=0.5)
+    _init(model, guide, ())
+    return Built(model, guide)
+
+
 def _sigmoid_tail():
     """A unit-interval site through a sigmoid, the guide deep in the float32 tail."""
     k = torch.ones(50)
@@ -763,8 +778,8 @@ def _sigmoid_tail():
             pyro.sample("k", dist.Bernoulli(p), obs=k)
 
     def guide():
-        loc = pyro.param("sg_loc", torch.tensor(14.0))
-        scale = pyro.param("sg_scale", torch.tensor(1.0), constraint=constraints.positive)
+        loc = pyro.param("sg_loc", torch.tensor(15.5))
+        scale = pyro.param("sg_scale", torch.tensor(0.5), constraint=constraints.positive)
         pyro.sample(
             "p",
             dist.TransformedDistribution(
@@ -846,7 +861,7 @@ CASES: list[Case] = [
     ),
     *[Case(f"chain{T}", _chain(T), Route((f"x{T - 1}",), ("q_b0",))) for T in range(1, 6)],
     Case("amortized", _amortized(), Route(("x",), ("enc$$$weight",)), max_plate_nesting=1),
-    Case("subsample_all", _amortized([0, 2, 5]), Route(("y",), ("enc$$$bias",)), outer_scale=2.0),
+    Case("subsample_all", _amortized([1, 4]), Route(("y",), ("enc$$$bias",)), outer_scale=3.0),
     Case("nested_plates", _nested, Route(("x",), ("AutoNormal.locs.z",)), max_plate_nesting=2),
     Case("subsample_inner", _subsample_inner, Route(("x",), ("AutoNormal.locs.mu",))),
     Case("scale_tensor", _scale_tensor, Route(("x",), ("sc_m",))),
@@ -900,6 +915,12 @@ CASES: list[Case] = [
         score_guide=True,
     ),
     Case("sigmoid_tail", _sigmoid_tail, Route(("k",), ("sg_loc",)), dtype=torch.float32),
+    Case(
+        "sigmoid_tail_AutoNormal",
+        _sigmoid_tail_autonormal,
+        Route(("k",), ("AutoNormal.locs.p",)),
+        dtype=torch.float32,
+    ),
 ]
 
 BY_NAME = {c.name: c for c in CASES}
