@@ -11,11 +11,7 @@ PRIVATE = re.compile(
     r"param_store\(\)\._params|\._params\[|_Subsample|_compute_log_r|[\"']_deterministic[\"']"
     r"|\._pyro_name|\._pyro_context|_pyro_set_supermodule"
 )
-PENDING = {
-    "poutine/resolve.py",  # param_store()._params: named_parameters() is the public spelling
-    "poutine/block_grad_messenger.py",  # _Subsample, infer["_deterministic"]
-    "infer/trace_dreg_elbo.py",  # param_store()._params in a docstring example
-}
+PENDING: set[str] = set()
 
 
 def uses():

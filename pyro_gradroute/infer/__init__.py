@@ -1,6 +1,7 @@
 """Estimators: ELBOs built from one trace per particle and named, routable terms."""
 
 from .elbo import RoutedELBO
+from .trace_adaptive_elbo import TraceAdaptiveDReG_ELBO, TraceAdaptiveSTL_ELBO
 from .trace_dreg_elbo import ReweightedWakeSleepDReG, TraceDReG_ELBO
 from .trace_elbo import Trace_ELBO
 from .trace_stl_elbo import TraceSTL_ELBO
@@ -8,6 +9,8 @@ from .trace_stl_elbo import TraceSTL_ELBO
 __all__ = [
     "ReweightedWakeSleepDReG",
     "RoutedELBO",
+    "TraceAdaptiveDReG_ELBO",
+    "TraceAdaptiveSTL_ELBO",
     "TraceDReG_ELBO",
     "Trace_ELBO",
     "TraceSTL_ELBO",

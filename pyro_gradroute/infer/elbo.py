@@ -39,6 +39,17 @@ def collect_blocks(model_trace, guide_trace) -> dict:
     return _collect(model_trace, guide_trace)
 
 
+def _joint_blocks(terms: Terms, blocks: dict) -> dict:
+    """Blocks of the terms keyed ``("reinforce", cost key, score key)``: the union of both sites'."""
+    joint = {}
+    for key in terms:
+        if isinstance(key, tuple) and len(key) == 3 and key[0] == "reinforce":
+            merged = {**blocks.get(key[1], {}), **blocks.get(key[2], {})}
+            if merged:
+                joint[key] = merged
+    return {**blocks, **joint} if joint else blocks
+
+
 class RoutedELBO(ELBO):
     """Base class: subclasses implement :meth:`_particle_terms`.
 
@@ -125,6 +136,7 @@ class RoutedELBO(ELBO):
                 elbo, terms = -torch_item(loss), {("surrogate",): -surrogate}
             else:
                 elbo, terms = self._particle_terms(model_trace, guide_trace, blocks)
+                blocks = _joint_blocks(terms, blocks)
             terms = {k: v for k, v in terms.items() if torch.is_tensor(v) and v.requires_grad}
             if n > 1:
                 terms = {k: v / n for k, v in terms.items()}

@@ -83,45 +83,71 @@ def _same(a, b) -> bool:
 
 
 class TraceDReG_ELBO(RoutedELBO):
-    r"""The IWAE bound with doubly-reparameterized guide gradients (IWAE-DReG).
+    r"""Renyi / IWAE bounds with doubly-reparameterized guide gradients (DReG, VR-IWAE).
 
     With :math:`K` particles :math:`z_k = g(\epsilon_k; \phi)` from the guide, log-weights
-    :math:`\log w_k = \log p_\theta(x, z_k) - \log q_\phi(z_k)` and normalized weights
-    :math:`\tilde w_k = w_k / \sum_j w_j`:
+    :math:`\log w_k = \log p_\theta(x, z_k) - \log q_\phi(z_k)`, :math:`\beta = 1 - \alpha`
+    and normalized weights :math:`\tilde w_k = w_k^\beta / \sum_j w_j^\beta`:
 
-    * ``loss`` is the negative IWAE bound :math:`-\log \frac1K \sum_k w_k`, equal to
-      :class:`pyro.infer.RenyiELBO` with ``alpha=0`` on the same samples;
-    * model parameters get the IWAE gradient :math:`\sum_k \tilde w_k \nabla_\theta \log w_k`;
-    * guide parameters get the DReG gradient
+    * ``loss`` is the negative Renyi bound
+      :math:`-L = -\frac{1}{\beta} \log \frac1K \sum_k w_k^\beta` (``alpha=0``: IWAE), equal
+      to :class:`pyro.infer.RenyiELBO` with the same ``alpha`` on the same samples
+      (subsampling: see below);
+    * model parameters get :math:`\nabla_\theta L = \sum_k \tilde w_k \nabla_\theta \log w_k`;
+    * guide parameters get the doubly-reparameterized gradient.
 
-      .. math::
+    **Derivation.** :math:`\nabla_\phi L = \sum_k \tilde w_k \nabla_\phi \log w_k` and, for
+    the draw :math:`z_k`, :math:`\nabla_\phi \log w_k = \partial_z \log w_k \, \partial_\phi z_k
+    - \partial_\phi \log q_\phi(z_k)|_{z_k}`. The last (score) part is replaced with the
+    reparameterization identity :math:`\mathbb E[f(z)\, \partial_\phi \log q_\phi(z)] =
+    \mathbb E[\partial_z f \, \partial_\phi z]` applied to :math:`f = \tilde w_k`, whose
+    derivative is :math:`\partial_z \tilde w_k = \beta \tilde w_k (1 - \tilde w_k)
+    \partial_z \log w_k`. A guide log-density enters the log-weights with a scale :math:`c`
+    (``poutine.scale``, a mask, a subsampled plate that does not hold every site), so its
+    score part carries :math:`c` too. Altogether, the gradient through a draw is
 
-          \sum_k \tilde w_k^2 \, \frac{\partial \log w_k}{\partial z_k}\bigg|_{\bot(\phi)}
-          \frac{\partial z_k}{\partial \phi},
+    .. math::
 
-      whose signal-to-noise ratio grows with :math:`K` (IWAE's falls like
-      :math:`1/\sqrt K`).
+        \sum_k \tilde w_k \big(1 - c\beta + c\beta\, \tilde w_k\big)\,
+        \frac{\partial \log w_k}{\partial z_k}\bigg|_{\bot(\phi)}
+        \frac{\partial z_k}{\partial \phi},
 
-    One model pass, one guide pass and one backward for all particles: the surrogate is
-    :math:`\sum_k \bot(\tilde w_k) [\log p(x, z_k) - \bot(\tilde w_k) \log q(z_k; \bot(\phi))]`,
-    where the model reads each sample through a node that multiplies its gradient by
-    :math:`\tilde w_k` (so the path through the model gets :math:`\tilde w_k^2`, the model
-    parameters :math:`\tilde w_k`). The guide density with stopped parameters is the
-    pathwise part of :func:`~pyro_gradroute.distributions.split_log_prob` (one evaluation;
-    for conditional guides :math:`q(z_2 \mid z_1)` the path through :math:`z_1` is kept).
-    With ``num_particles=1`` the gradient is :class:`TraceSTL_ELBO`'s.
+    which is :math:`\sum_k (\alpha \tilde w_k + \beta \tilde w_k^2)(\dots)` at :math:`c = 1`
+    (the VR-IWAE estimator of Daudel, Benton, Shi & Doucet, 2023) and Tucker et al.'s
+    :math:`\sum_k \tilde w_k^2 (\dots)` at :math:`\alpha = 0`. It is unbiased for
+    :math:`\nabla_\phi L`, and at an exact posterior (:math:`\log w_k` constant) it is zero.
+    A path that reaches a parameter through no random draw (the value of an ``AutoDelta``
+    site) has no score part: it keeps the factor :math:`\tilde w_k`.
 
-    Weights are per element of the plates that hold every site (a VAE's data plate:
-    one IWAE bound per data point), like ``RenyiELBO``. Works with amortized guides,
-    AutoGuides whose sites are reparameterized (AutoNormal, AutoDiagonalNormal,
-    AutoMultivariateNormal, AutoLowRankMultivariateNormal, AutoIAFNormal, AutoDelta),
-    plates and subsampling, and :func:`~pyro_gradroute.poutine.block_grad`.
+    **How.** One model pass, one guide pass and one backward for all particles. Model
+    terms are weighted :math:`\bot(\tilde w_k)`; the model reads each guide value through a
+    node that multiplies its gradient by the value's factor
+    :math:`1 - c\beta + c\beta\tilde w_k` (1 for a parameter-only Delta value); guide
+    terms are the pathwise parts of :func:`~pyro_gradroute.distributions.split_log_prob`
+    (parameters stopped; for a conditional guide :math:`q(z_2 \mid z_1)` the path
+    through :math:`z_1` is kept at any depth) weighted by :math:`\tilde w_k` times that
+    factor. With ``num_particles=1`` the gradient is :class:`TraceSTL_ELBO`'s.
+
+    **Subsampling.** Weights are per element of the plates that hold every site (a VAE's
+    data plate: one bound per data point). When such a plate is subsampled, its scale
+    :math:`N/b` is taken *out* of the log-mean-exp (per-point bounds from log-densities
+    without it, then multiplied by :math:`N/b`, as NumPyro's ``RenyiELBO`` does): the loss
+    is then an unbiased minibatch estimate of the full-data bound. Pyro's ``RenyiELBO``
+    keeps that scale inside the log-weights, which tempers the bound; without
+    subsampling the two are equal.
+
+    **Not covered** (each raises a ``ValueError`` naming the site): a guide site without
+    ``rsample`` whose density depends on parameters (auxiliary sites included), a
+    distribution with its own score-function term (``Rejector``), a Delta whose
+    ``log_density`` depends on parameters directly (``AutoStructured``), a Delta value
+    that depends both on draws and directly on parameters, and a conditional link
+    between draws whose scales differ. Use :class:`pyro.infer.RenyiELBO` there.
 
     Example::
 
         >>> import torch, pyro, pyro.distributions as dist
         >>> from pyro_gradroute.infer import TraceDReG_ELBO
-        >>> def model(x):  # a local latent per data point: one IWAE bound per point
+        >>> def model(x):  # a local latent per data point: one bound per point
         ...     with pyro.plate("data", len(x)):
         ...         z = pyro.sample("z", dist.Normal(0.0, 1.0))
         ...         pyro.sample("x", dist.Normal(z, 0.5), obs=x)
@@ -130,19 +156,31 @@ class TraceDReG_ELBO(RoutedELBO):
         ...     with pyro.plate("data", len(x)):
         ...         pyro.sample("z", dist.Normal(w * x, 0.6))
         >>> pyro.clear_param_store()
-        >>> elbo = TraceDReG_ELBO(num_particles=16)
+        >>> elbo = TraceDReG_ELBO(num_particles=16, alpha=0.5)
         >>> loss = elbo.loss_and_grads(model, guide, torch.randn(10))
-        >>> pyro.get_param_store()._params["w"].grad is not None
+        >>> pyro.param("w").unconstrained().grad is not None
         True
 
     :param num_particles: :math:`K`.
     :param vectorize_particles: must be ``True`` when ``num_particles > 1`` (the
         weights couple the particles, so they are drawn in one vectorized pass).
-    :raises ValueError: at the first step, naming the site, if a guide site is not
-        reparameterized (DReG needs a pathwise derivative).
+    :param alpha: the Renyi order (default 0: IWAE); ``alpha=1`` (the ELBO) is
+        :class:`TraceSTL_ELBO`.
     """
 
-    def __init__(self, num_particles: int = 2, vectorize_particles: bool = True, **kwargs):
+    def __init__(
+        self,
+        num_particles: int = 2,
+        vectorize_particles: bool = True,
+        alpha: float = 0.0,
+        **kwargs,
+    ):
+        if alpha == 1:
+            raise ValueError(
+                "TraceDReG_ELBO: alpha=1 is the ELBO itself (the Renyi bound's limit), for which "
+                "the doubly-reparameterized gradient is sticking the landing: use TraceSTL_ELBO."
+            )
+        self.alpha = float(alpha)
         if num_particles > 1 and not vectorize_particles:
             raise ValueError(
                 f"{type(self).__name__} couples its {num_particles} particles through the "
@@ -159,7 +197,8 @@ class TraceDReG_ELBO(RoutedELBO):
     # the weightings that distinguish IWAE-DReG from RWS-DReG
     def _draw_factor(self, w: torch.Tensor, c) -> torch.Tensor:
         """Factor on the gradient through a random draw whose log-density has scale ``c``."""
-        return 1 - c + c * w
+        a = c * (1 - self.alpha)
+        return 1 - a + a * w
 
     def _param_factor(self, w: torch.Tensor):
         """Factor on a path that reaches a parameter through no random draw (a Delta's value)."""
@@ -305,10 +344,12 @@ class TraceDReG_ELBO(RoutedELBO):
             _sum_dependent(s["log_prob"].detach(), sum_dims) for s in guide_sites.values()
         )
         log_w = torch.as_tensor(log_w) / outer
-        K = self.num_particles
+        K, beta = self.num_particles, 1 - self.alpha
         if K > 1:
-            elbo = outer * (torch.logsumexp(log_w, dim=0) - math.log(K)).sum().item()
-            w = torch.softmax(log_w, dim=0)
+            elbo = (
+                outer * ((torch.logsumexp(beta * log_w, dim=0) - math.log(K)) / beta).sum().item()
+            )
+            w = torch.softmax(beta * log_w, dim=0)
         else:
             elbo = outer * log_w.sum().item()
             w = torch.ones_like(log_w)

@@ -72,10 +72,10 @@ class Trace_ELBO(RoutedELBO):
             if is_identically_zero(score_function):
                 continue
             stack = site["cond_indep_stack"]
-            if blocks:  # each cost's REINFORCE piece under its own key, so routes reach it
+            if blocks:  # each cost's REINFORCE piece is a term of the cost site and of this one
                 for key, frames, cost in costs:
                     r = MultiFrameTensor((frames, cost)).sum_to(stack)
-                    add_term(terms, key, (r * score_function).sum())
+                    add_term(terms, ("reinforce", key, ("guide", name)), (r * score_function).sum())
                 continue
             if log_r is None:
                 log_r = MultiFrameTensor(*((f, c) for _, f, c in costs))

@@ -8,8 +8,8 @@ from types import TracebackType
 import torch
 from pyro.distributions import Delta, MaskedDistribution
 from pyro.poutine.messenger import Messenger
-from pyro.poutine.subsample_messenger import _Subsample
 
+from .._compat import Subsample, is_deterministic_site
 from .gated_distribution import GatedDistribution
 from .resolve import BlockSpec, ModuleSpec, ParamSpec
 
@@ -133,7 +133,7 @@ class BlockGradMessenger(Messenger):
         if msg["type"] != "sample":
             return
         name = msg["name"]
-        if isinstance(msg["fn"], _Subsample):  # a plate's subsample site, not a term
+        if isinstance(msg["fn"], Subsample):  # a plate's subsample site, not a term
             if name in self.spec.sites:
                 raise ValueError(
                     f"block_grad: '{name}' is a plate, not a sample or factor site. Name the "
@@ -165,7 +165,7 @@ class BlockGradMessenger(Messenger):
         self._open.append(msg["name"])
 
     def _postprocess_message(self, msg) -> None:
-        if msg["type"] != "sample" or isinstance(msg["fn"], _Subsample):
+        if msg["type"] != "sample" or isinstance(msg["fn"], Subsample):
             return
         if self._open and self._open[-1] == msg["name"]:
             self._open.pop()
@@ -182,7 +182,7 @@ class BlockGradMessenger(Messenger):
 
 def _is_deterministic(msg) -> bool:
     """A pyro.deterministic site, or one poutine.reparam made deterministic (masked Delta)."""
-    if msg["infer"].get("_deterministic"):
+    if is_deterministic_site(msg):
         return True
     fn = msg["fn"]
     return (

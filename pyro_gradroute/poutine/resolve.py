@@ -2,7 +2,7 @@
 
 Pyro's param store keeps, for each name, an *unconstrained* leaf tensor (what the
 optimizer updates and what receives ``.grad``); ``pyro.param`` returns a constrained
-view of it. Blocking works on the leaves: ``pyro.get_param_store()._params[name]``.
+view of it. Blocking works on the leaves (``pyro.get_param_store().named_parameters()``).
 
 Names: ``pyro.module("decoder", net)`` registers ``"decoder$$$<param>"``; a
 ``PyroModule`` named ``decoder`` registers dotted names ``"decoder.<param>"``.
@@ -14,9 +14,10 @@ import fnmatch
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-import pyro
 import torch
 from torch import nn
+
+from .._compat import param_store_leaves
 
 ParamSpec = str | Callable[[str], bool] | torch.Tensor
 ModuleSpec = str | nn.Module
@@ -32,7 +33,7 @@ class BlockSpec:
 
 
 def _store() -> dict[str, torch.Tensor]:
-    return dict(pyro.get_param_store()._params)
+    return param_store_leaves()
 
 
 def _module_roots(names: Iterable[str]) -> list[str]:
