@@ -48,10 +48,16 @@ Families that need care (all handled, one evaluation each):
   (``log q(T(x)) = log q_base(x) - log|det J_T(x)|``, with the transforms run
   forward), so no inverse runs and a saturating transform (a sigmoid deep in its
   float32 tail) keeps both its loss value and its pathwise gradient.
-* ``TransformedDistribution`` with parametrized transforms (normalizing flows):
-  evaluated at the detached sample, which runs the transforms' inverse (the cached
-  inverse would silently drop ``d T^{-1}(z; phi) / dphi``). Transforms without an
-  inverse (Planar, Radial, Sylvester, BlockNeuralAutoregressive) cannot be split:
+* ``TransformedDistribution`` with parametrized transforms (normalizing flows, and
+  conditioned transforms whose parameters come from upstream samples), drawn through
+  :func:`preimage_rsample` or with the path in the transforms' caches: the value is
+  computed forward along the recorded path (exactly the ordinary value, no inverse),
+  ``full`` is that graph itself, and the pathwise product ``h * g`` with the gradient
+  ``g = d log q / d x_k`` *carried forward* by one rule per transform
+  (:mod:`~pyro_gradroute.distributions.flows`) is sent to the output ``x_k`` of the
+  last parametrized transform, no VJP through an inverse; the upstream partials are
+  one product through ``lp - <g, x_k>``. Flows with a transform that has no rule are
+  evaluated at the detached sample, which runs the inverse; without an inverse
   :class:`SplitNotSupported` (a ``NotImplementedError``) says so.
 * Straight-through relaxed families (``RelaxedOneHotCategoricalStraightThrough``,
   ``RelaxedBernoulliStraightThrough``): the density is evaluated at the relaxed
@@ -72,6 +78,8 @@ from pyro.distributions.score_parts import ScoreParts
 from pyro.distributions.torch_distribution import TorchDistributionMixin
 from torch.distributions import Distribution, TransformedDistribution
 from torch.distributions.utils import _sum_rightmost
+
+from . import flows
 
 __all__ = [
     "Relay",
@@ -156,6 +164,7 @@ class _Item(NamedTuple):
     v: torch.Tensor  # the detached leaf at which the density was evaluated
     lp: torch.Tensor  # the evaluated tensor (graph to params, upstream, v)
     ups: tuple[int, ...]  # indices into the node's upstream list
+    g: torch.Tensor | None = None  # flows: d lp / d target carried forward (v is None, no VJP)
 
 
 class _Pathwise(torch.autograd.Function):
@@ -204,6 +213,11 @@ class _Pathwise(torch.autograd.Function):
             [],
         )  # one input per distinct v (items of a site share it)
         for i, it in enumerate(items):
+            if it.g is not None:  # a flow: the full seed is lp's own graph; no VJP
+                if g_path[i] is not None:
+                    k = target_index[i]
+                    g_targets[k] = _add(g_targets[k], _times(g_path[i], it.g, it.target))
+                continue
             s = _add(g_full[i], g_path[i])
             if s is not None and it.v.requires_grad:
                 outs.append(it.lp)
@@ -217,9 +231,15 @@ class _Pathwise(torch.autograd.Function):
                 g_targets[k] = _add(g_targets[k], g)
         # 2. pathwise seeds w.r.t. the upstream samples (partials)
         g_ups: list = [None] * len(ups)
-        outs = [it.lp for i, it in enumerate(items) if it.ups and g_path[i] is not None]
+        outs, seeds = [], []
+        for i, it in enumerate(items):
+            if it.ups and g_path[i] is not None:
+                outs.append(it.lp)
+                seeds.append(g_path[i])
+                if it.g is not None:  # d/du log q(y | u) at y fixed: minus the sample's path
+                    outs.append(it.target)
+                    seeds.append(-_times(g_path[i], it.g, it.target))
         if outs:
-            seeds = [g_path[i] for i, it in enumerate(items) if it.ups and g_path[i] is not None]
             wanted = sorted(
                 {
                     k
@@ -240,6 +260,15 @@ class _Pathwise(torch.autograd.Function):
             for k, g in zip(wanted, gs):
                 g_ups[k] = g
         return (None, *g_ups, *g_full, *g_targets)
+
+
+def _times(h: torch.Tensor, g: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """``h * g`` with ``h`` (batch-shaped) broadcast over the event dims, summed to ``target``'s shape."""
+    pad = g.dim() - h.dim()
+    out = h.reshape(h.shape + (1,) * pad) * g if pad > 0 else h * g
+    if out.shape != target.shape:
+        out = out.sum_to_size(target.shape)
+    return out
 
 
 def _add(a, b):
@@ -321,22 +350,12 @@ def _reached_from(root, candidates):
 
 # ----------------------------------------------------------------------------- evaluation
 def _param_free(t) -> bool:
-    """Whether a transform holds no tensor that requires grad (and no module parameters)."""
-    from torch.distributions.transforms import (
-        ComposeTransform,
-        IndependentTransform,
-        _InverseTransform,
-    )
+    """Whether a transform holds no parameters, nor tensors computed from them.
 
-    if isinstance(t, torch.nn.Module) and any(True for _ in t.parameters()):
-        return False
-    if isinstance(t, ComposeTransform):
-        return all(_param_free(p) for p in t.parts)
-    if isinstance(t, IndependentTransform):
-        return _param_free(t.base_transform)
-    if isinstance(t, _InverseTransform):
-        return _param_free(t._inv)
-    return not any(torch.is_tensor(a) and a.requires_grad for a in vars(t).values())
+    Conditioned transforms (``ConditionalAffineAutoregressive.condition(z)``, ...) hold
+    their context inside a ``functools.partial`` and count as parametrized.
+    """
+    return not flows.holds_params(t)
 
 
 def _default_score_parts(fn) -> bool:
@@ -344,22 +363,29 @@ def _default_score_parts(fn) -> bool:
 
 
 def preimage_rsample(fn: Distribution, sample_shape=torch.Size()):
-    """``fn.rsample(sample_shape)`` and, for a parameter-free ``TransformedDistribution``, its pre-image.
+    """``fn.rsample(sample_shape)`` and, for a ``TransformedDistribution``, its pre-image.
 
-    Returns ``(value, x)`` where ``x`` is the base sample (``None`` if ``fn`` is not
-    such a distribution). The same operations as ``TransformedDistribution.rsample``.
+    Returns ``(value, pre)``: for a parameter-free ``TransformedDistribution`` ``pre``
+    is the base sample; for a flow whose transforms have forward pathwise rules
+    (:mod:`~pyro_gradroute.distributions.flows`) it is the
+    :class:`~pyro_gradroute.distributions.flows.FlowPath` of the sample (base sample and
+    intermediate values); otherwise ``None``. The same operations as
+    ``TransformedDistribution.rsample``.
     """
     if (
         isinstance(fn, TransformedDistribution)
         and _default_score_parts(fn)
         and _default_score_parts(fn.base_dist)
-        and all(_param_free(t) for t in fn.transforms)
     ):
-        x = fn.base_dist.rsample(sample_shape)
-        y = x
-        for t in fn.transforms:
-            y = t(y)
-        return y, x
+        if all(_param_free(t) for t in fn.transforms):
+            x = fn.base_dist.rsample(sample_shape)
+            y = x
+            for t in fn.transforms:
+                y = t(y)
+            return y, x
+        if fn.has_rsample and flows.supported(fn):
+            path = flows.forward_path(fn, sample_shape)
+            return path.value, path
     return fn.rsample(sample_shape), None
 
 
@@ -381,21 +407,43 @@ def _transformed_log_prob(fn: TransformedDistribution, x: torch.Tensor) -> torch
 
 
 def _evaluate(fn: Distribution, value: torch.Tensor, preimage, grad_mode: bool):
-    """``(target, v, ScoreParts at v)``: one evaluation of ``fn``'s score parts at a detached copy."""
+    """``(target, v, ScoreParts at v, flow)``: one evaluation of ``fn``'s score parts at a detached copy.
+
+    ``flow`` is ``None``, or for a flow evaluated forward along its path ``(g, score)``:
+    the forward-carried gradient at the target and the score part (``v`` is then None).
+    """
+    if preimage is None and _flow_candidate(fn):
+        preimage = flows.cached_path(fn, value)
+    if isinstance(preimage, flows.FlowPath):
+        lp, g, score = flows.evaluate(preimage, grad_mode)
+        parts = ScoreParts(lp, 0, lp) if fn.has_rsample else ScoreParts(lp, lp, 0)
+        return preimage.target, None, parts, (g, score)
     unq = getattr(value, "_unquantize", None)
     if preimage is not None:
         target = preimage
         v = preimage.detach().requires_grad_(preimage.requires_grad and grad_mode)
         lp = _transformed_log_prob(fn, v)
         parts = ScoreParts(lp, 0, lp) if fn.has_rsample else ScoreParts(lp, lp, 0)
-        return target, v, parts
+        return target, v, parts, None
     if unq is not None:
         target = unq
         v = value.detach()
         v._unquantize = unq.detach().requires_grad_(unq.requires_grad and grad_mode)
-        return target, v._unquantize, fn.score_parts(v)
+        return target, v._unquantize, fn.score_parts(v), None
     v = value.detach().requires_grad_(value.requires_grad and grad_mode)
-    return value, v, fn.score_parts(v)
+    return value, v, fn.score_parts(v), None
+
+
+def _flow_candidate(fn) -> bool:
+    """A flow (parametrized transforms) whose transforms' caches may hold a sample's path."""
+    return (
+        isinstance(fn, TransformedDistribution)
+        and fn.has_rsample
+        and _default_score_parts(fn)
+        and _default_score_parts(fn.base_dist)
+        and not all(_param_free(t) for t in fn.transforms)
+        and flows.supported(fn)
+    )
 
 
 def split_log_prob(
@@ -495,7 +543,7 @@ def split_score_parts(items, group: RelayGroup | None = None, on_error=None):
         if not torch.is_tensor(value):
             raise TypeError(f"split_log_prob expects a tensor value, got {type(value).__name__}")
         try:
-            target, v, parts = _evaluate(fn, value, preimage, grad_mode)
+            target, v, parts, flow = _evaluate(fn, value, preimage, grad_mode)
         except (NotImplementedError, KeyError) as e:
             err = SplitNotSupported(
                 f"{type(fn).__name__}.log_prob cannot be evaluated at a fixed sample "
@@ -517,6 +565,7 @@ def split_score_parts(items, group: RelayGroup | None = None, on_error=None):
             e.split_index = i  # type: ignore[attr-defined]  # lets callers name the site
             raise
         lp = parts.log_prob
+        g_flow, score = (None, lp) if flow is None else flow
         distinct: dict[str, str] = {}  # part name -> the first name holding the same tensor
         for name in ("log_prob", "score_function", "entropy_term"):
             t = getattr(parts, name)
@@ -524,29 +573,33 @@ def split_score_parts(items, group: RelayGroup | None = None, on_error=None):
                 alias = [n for n in distinct if getattr(parts, n) is t]
                 distinct[name] = alias[0] if alias else name
         if not distinct:
-            results[i] = (parts, _stop_all(parts), lp)
+            results[i] = (parts, _stop_all(parts), score)
             continue
         ups_here: list[int] = []
         if upstream:
-            for j in _reached(lp, list(upstream)):
+            hit = set(_reached(lp, list(upstream)))
+            if g_flow is not None:  # the sample's own path to upstream tensors
+                hit.update(_reached(target, list(upstream)))
+            for j in sorted(hit):
                 u = upstream[j]
                 k = next((n for n, w in enumerate(ups_list) if w is u), None)
                 if k is None:
                     k = len(ups_list)
                     ups_list.append(u)
                 ups_here.append(k)
-        if not v.requires_grad and not ups_here:  # no value path: the evaluation is the split
-            results[i] = (parts, _stop_all(parts), lp)
+        value_path = target.requires_grad if g_flow is not None else v.requires_grad
+        if not value_path and not ups_here:  # no value path: the evaluation is the split
+            results[i] = (parts, _stop_all(parts), score)
             continue
         targets.append(target)
         tk = len(targets) - 1
         for name, first in distinct.items():
             if first != name:
                 continue
-            node_items.append(_Item(target, v, getattr(parts, name), tuple(ups_here)))
+            node_items.append(_Item(target, v, getattr(parts, name), tuple(ups_here), g_flow))
             owners.append((i, name))
             target_index.append(tk)
-        results[i] = (parts, distinct)
+        results[i] = (parts, distinct, score)
     if node_items:
         if group is None and len(ups_list) > 1:
             _check_independent(ups_list)
@@ -557,9 +610,9 @@ def split_score_parts(items, group: RelayGroup | None = None, on_error=None):
         for n, key in enumerate(owners):
             split_of[key] = (outs[2 * n], outs[2 * n + 1])
         for i, r in enumerate(results):
-            if r is None or len(r) != 2 or not isinstance(r[1], dict):
+            if r is None or len(r) != 3 or not isinstance(r[1], dict):
                 continue
-            parts, distinct = r
+            parts, distinct, score = r
             full, path = [], []
             for name in ("log_prob", "score_function", "entropy_term"):
                 t = getattr(parts, name)
@@ -570,7 +623,7 @@ def split_score_parts(items, group: RelayGroup | None = None, on_error=None):
                 else:
                     full.append(t)
                     path.append(t.detach() if torch.is_tensor(t) else t)
-            results[i] = (ScoreParts(*full), ScoreParts(*path), parts.log_prob)
+            results[i] = (ScoreParts(*full), ScoreParts(*path), score)
     return results
 
 
