@@ -75,6 +75,7 @@ from typing import NamedTuple
 
 import torch
 from pyro.distributions.score_parts import ScoreParts
+from pyro.ops.provenance import detach_provenance, get_provenance, track_provenance
 from pyro.distributions.torch_distribution import TorchDistributionMixin
 from torch.distributions import Distribution, TransformedDistribution
 from torch.distributions.utils import _sum_rightmost
@@ -151,7 +152,10 @@ def Relay(x: torch.Tensor, group: RelayGroup) -> torch.Tensor:
         >>> r.sum().backward(); x.grad
         tensor([1., 1.])
     """
-    out = _RelayFn.apply(x, group)
+    provenance = get_provenance(x)  # TraceGraph_ELBO's tracking of non-reparameterized sites
+    out = _RelayFn.apply(detach_provenance(x) if provenance else x, group)
+    if provenance:
+        out = track_provenance(out, provenance)
     if hasattr(x, "_unquantize"):  # straight-through samples carry their relaxed value
         out._unquantize = x._unquantize  # type: ignore[attr-defined]
     group.outputs.append(out)
@@ -269,6 +273,14 @@ def _times(h: torch.Tensor, g: torch.Tensor, target: torch.Tensor) -> torch.Tens
     if out.shape != target.shape:
         out = out.sum_to_size(target.shape)
     return out
+
+
+def _strip_provenance(item):
+    return item._replace(
+        target=detach_provenance(item.target),
+        v=detach_provenance(item.v),
+        lp=detach_provenance(item.lp),
+    )
 
 
 def _add(a, b):
@@ -604,11 +616,23 @@ def split_score_parts(items, group: RelayGroup | None = None, on_error=None):
         if group is None and len(ups_list) > 1:
             _check_independent(ups_list)
         meta = (node_items, ups_list, targets, group, target_index)
+        provenance = [get_provenance(it.lp) for it in node_items]  # TraceGraph_ELBO's tracking
+        if any(provenance) or any(get_provenance(t) for t in (*ups_list, *targets)):
+            node_items = [_strip_provenance(it) for it in node_items]
+            ups_list = [detach_provenance(u) for u in ups_list]
+            targets = [detach_provenance(t) for t in targets]
+            meta = (node_items, ups_list, targets, group, target_index)
         lps = [it.lp for it in node_items]
         outs = _Pathwise.apply(meta, *ups_list, *lps, *targets)
         split_of: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
         for n, key in enumerate(owners):
-            split_of[key] = (outs[2 * n], outs[2 * n + 1])
+            full, path = outs[2 * n], outs[2 * n + 1]
+            if provenance[n]:
+                full, path = (
+                    track_provenance(full, provenance[n]),
+                    track_provenance(path, provenance[n]),
+                )
+            split_of[key] = (full, path)
         for i, r in enumerate(results):
             if r is None or len(r) != 3 or not isinstance(r[1], dict):
                 continue
