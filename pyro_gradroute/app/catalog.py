@@ -31,6 +31,20 @@ ESTIMATORS: dict[str, tuple[str, str, dict, str]] = {
     "stl": ("pyro_gradroute.infer", "TraceSTL_ELBO", {}, "ELBO, sticking the landing"),
     "iwae": ("pyro.infer", "RenyiELBO", {"alpha": 0.0}, "IWAE bound (Pyro's RenyiELBO(alpha=0))"),
     "dreg": ("pyro_gradroute.infer", "TraceDReG_ELBO", {}, "IWAE bound, doubly reparameterized"),
+    "renyi": ("pyro.infer", "RenyiELBO", {"alpha": None}, "Renyi bound of order --alpha (Pyro's)"),
+    "renyi-dreg": (
+        "pyro_gradroute.infer",
+        "TraceDReG_ELBO",
+        {"alpha": None},
+        "Renyi bound of order --alpha, doubly reparameterized",
+    ),
+    "enum": ("pyro.infer", "TraceEnum_ELBO", {}, "ELBO, enumerated discrete sites (Pyro's)"),
+    "enum-stl": (
+        "pyro.infer",
+        "TraceEnum_ELBO",
+        {"stick_the_landing": True},
+        "TraceEnum_ELBO with poutine.stick_the_landing(guide)",
+    ),
 }
 
 DEFAULT_MODEL = "logistic_regression"

@@ -64,6 +64,18 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _renyi_order(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if value == 1 or value != value or abs(value) == float("inf"):
+        raise argparse.ArgumentTypeError(
+            f"must be a finite number other than 1 (alpha=1 is the ELBO: use stl), got {text}"
+        )
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pyro-gradroute",
@@ -94,6 +106,13 @@ def _parser() -> argparse.ArgumentParser:
         type=_at_least(1),
         default=None,
         help="particles per step, vectorized (model default, usually 8)",
+    )
+    c.add_argument(
+        "--alpha",
+        type=_renyi_order,
+        default=0.5,
+        help="order of the Renyi bound for the renyi and renyi-dreg estimators (default 0.5; "
+        "not 1, which is the ELBO)",
     )
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--snr-draws", type=_at_least(2), default=20, help="gradient draws for the SNR")
@@ -240,7 +259,7 @@ def _compare(parser, args, start: float) -> int:
         for r in iter_compare(
             lambda: load_problem(args.model), names, steps=args.steps, lr=args.lr, num_particles=args.particles,
             seed=args.seed, snr_draws=args.snr_draws, num_samples=args.samples,
-            progress=not args.no_progress, quiet=False,
+            progress=not args.no_progress, quiet=False, alpha=args.alpha,
         ):  # fmt: skip
             results.append(r)
     except KeyboardInterrupt:

@@ -162,12 +162,12 @@ def _say(msg: str, quiet: bool) -> None:
 
 
 def _run_one(build, name, seed, steps, lr, num_particles, snr_draws, num_samples, progress,
-             quiet):  # fmt: skip
+             quiet, alpha=0.5):  # fmt: skip
     pyro.clear_param_store()
     pyro.set_rng_seed(seed)
     p = build()
     steps = p.steps if steps is None else steps
-    elbo = make_elbo(name, num_particles or p.num_particles, _plate_depth(p))
+    elbo = make_elbo(name, num_particles or p.num_particles, _plate_depth(p), alpha=alpha)
     lr = lr or p.lr
     try:  # vectorized particles need a model that vectorizes; else one particle at a time
         with poutine.block(), torch.random.fork_rng(devices=[]):
@@ -176,7 +176,7 @@ def _run_one(build, name, seed, steps, lr, num_particles, snr_draws, num_samples
         _say(f"{name}: the model does not run vectorized over particles "
              f"({type(e).__name__}); fitting with vectorize_particles=False", quiet)  # fmt: skip
         elbo = make_elbo(name, num_particles or p.num_particles, _plate_depth(p),
-                         vectorize_particles=False)  # fmt: skip
+                         vectorize_particles=False, alpha=alpha)  # fmt: skip
         pyro.clear_param_store()
         pyro.set_rng_seed(seed)
         p = build()
@@ -261,6 +261,7 @@ def iter_compare(
     num_samples: int = 1000,
     progress: bool = True,
     quiet: bool = True,
+    alpha: float = 0.5,
 ) -> Iterator[EstimatorResult]:
     """:func:`compare_estimators`, yielding each estimator's result as soon as it is done."""
     build = _builder(problem)
@@ -268,7 +269,7 @@ def iter_compare(
         make_elbo(name)  # fail before any fitting
     for name in estimators:
         yield _run_one(build, name, seed, steps, lr, num_particles, snr_draws, num_samples,
-                       progress, quiet)  # fmt: skip
+                       progress, quiet, alpha)  # fmt: skip
 
 
 def compare_estimators(problem: str | Callable, estimators: Sequence[str], **kwargs):

@@ -8,6 +8,11 @@ trace    ``pyro_gradroute.infer.Trace_ELBO``                  ELBO, full reparam
 stl      ``pyro_gradroute.infer.TraceSTL_ELBO``               ELBO, pathwise guide gradient
 iwae     ``pyro.infer.RenyiELBO(alpha=0)``                    IWAE bound (K particles)
 dreg     ``pyro_gradroute.infer.TraceDReG_ELBO``              IWAE bound, doubly reparameterized
+renyi    ``pyro.infer.RenyiELBO(alpha)``                      Renyi bound of order ``alpha``
+renyi-   ``pyro_gradroute.infer.TraceDReG_ELBO(alpha)``       Renyi bound, doubly reparameterized
+dreg
+enum     ``pyro.infer.TraceEnum_ELBO``                        ELBO, enumerated discrete sites
+enum-stl ``TraceEnum_ELBO`` with ``stick_the_landing(guide)`` the same, sticking the landing
 ======== ==================================================== ===============================
 
 Example::
@@ -42,10 +47,12 @@ def make_elbo(
     num_particles: int = 8,
     max_plate_nesting: int | None = None,
     vectorize_particles: bool = True,
+    alpha: float = 0.5,
 ) -> Any:
     """A fresh ELBO for estimator ``name`` with ``num_particles`` (vectorized) particles.
 
-    ``max_plate_nesting`` is passed on when given (Pyro guesses it otherwise).
+    ``max_plate_nesting`` is passed on when given (Pyro guesses it otherwise); ``alpha`` is
+    the order of the Renyi estimators (``renyi``, ``renyi-dreg``).
 
     :raises ValueError: for an unknown name or one whose class is not installed, listing the
         available names.
@@ -62,6 +69,31 @@ def make_elbo(
             f"available: {', '.join(available_estimators())}"
         )
     kwargs = dict(ESTIMATORS[name][2])
+    if kwargs.get("alpha", 0.0) is None:
+        kwargs["alpha"] = alpha
+    stl = kwargs.pop("stick_the_landing", False)
     if max_plate_nesting is not None:
         kwargs["max_plate_nesting"] = max_plate_nesting
-    return cls(num_particles=num_particles, vectorize_particles=vectorize_particles, **kwargs)
+    elbo = cls(num_particles=num_particles, vectorize_particles=vectorize_particles, **kwargs)
+    return _stick_the_landing(elbo) if stl else elbo
+
+
+def _stick_the_landing(elbo):
+    """``elbo`` (a Pyro ELBO) whose guide is always run under ``poutine.stick_the_landing``."""
+    from pyro_gradroute.poutine import stick_the_landing
+
+    base = type(elbo)
+
+    class WithStickTheLanding(base):  # type: ignore[valid-type, misc]
+        def loss(self, model, guide, *args, **kwargs):
+            return super().loss(model, stick_the_landing(guide), *args, **kwargs)
+
+        def loss_and_grads(self, model, guide, *args, **kwargs):
+            return super().loss_and_grads(model, stick_the_landing(guide), *args, **kwargs)
+
+        def differentiable_loss(self, model, guide, *args, **kwargs):
+            return super().differentiable_loss(model, stick_the_landing(guide), *args, **kwargs)
+
+    WithStickTheLanding.__name__ = base.__name__ + "WithStickTheLanding"
+    elbo.__class__ = WithStickTheLanding
+    return elbo

@@ -126,7 +126,8 @@ def test_list_into_a_closed_pipe_has_no_broken_pipe_error():
      (["--estimators", ""], "argument --estimators: the list is empty"),
      (["--estimators", ","], "argument --estimators: the list is empty"),
      (["--estimators", "trace,stl,trace"], "argument --estimators: trace listed more than once"),
-     (["--estimators", "trace,reinforce"], "unknown estimator 'reinforce'; available: trace, stl, iwae, dreg")],
+     (["--estimators", "trace,reinforce"], "unknown estimator 'reinforce'; available: trace, stl, iwae, dreg"),
+     (["--alpha", "1"], "argument --alpha: must be a finite number other than 1")],
 )  # fmt: skip
 def test_bad_values_are_refused_before_fitting(flags, expected, capsys, tmp_path):
     out = tmp_path / "never"
@@ -272,3 +273,27 @@ def test_estimator_catalog_matches_the_classes():
     from pyro_gradroute.app.estimators import available_estimators
 
     assert available_estimators() == list(ESTIMATORS)
+
+
+@pytest.mark.parametrize("name", ["renyi", "renyi-dreg", "enum", "enum-stl"])
+def test_renyi_and_enumeration_estimators(name):
+    from pyro_gradroute.app.estimators import make_elbo
+
+    elbo = make_elbo(name, num_particles=2, alpha=0.3)
+    if name.startswith("renyi"):
+        assert elbo.alpha == 0.3
+    if name == "enum-stl":  # the guide runs under stick_the_landing: zero gradient at the posterior
+        import pyro
+        import pyro.distributions as dist
+
+        torch.set_default_dtype(torch.float64)
+
+        def model():
+            pyro.sample("z", dist.Normal(0.0, 1.0))
+
+        def guide():
+            pyro.sample("z", dist.Normal(pyro.param("m", torch.tensor(0.0)), 1.0))
+
+        make_elbo(name, num_particles=1, max_plate_nesting=0).loss_and_grads(model, guide)
+        assert pyro.param("m").unconstrained().grad.abs().max() < 1e-12
+
