@@ -74,7 +74,7 @@ class FlowSolveError(ValueError):
 @dataclass
 class _Settings:
     rtol: float | None = None  # None: 1e-12 (float64), 1e-6 (float32 and lower)
-    max_iter: int | None = None  # None: D + 1 VJPs (exact after D in exact arithmetic)
+    max_iter: int | None = None  # None: D (exact after D iterations in exact arithmetic)
 
 
 _SETTINGS = _Settings()
@@ -85,10 +85,12 @@ def solve_settings(rtol: float | None = None, max_iter: int | None = None) -> It
     r"""Tolerance and iteration limit of the triangular solves (autoregressive layers).
 
     The iteration stops once every sample's update satisfies
-    :math:`\|\delta\|_\infty \le \text{rtol}\,\|g\|_\infty`; it raises
-    :class:`FlowSolveError` if that takes more than ``max_iter`` VJPs (default
-    :math:`D + 1`: in exact arithmetic the update after :math:`D` iterations is zero).
-    Default ``rtol``: ``1e-12`` in float64, ``1e-6`` in float32.
+    :math:`\|\delta\|_\infty \le \text{rtol}\,\|g\|_\infty`, or once the update
+    stops shrinking below :math:`\sqrt{\epsilon}` (the round-off floor), or after
+    :math:`D` iterations (exact in exact arithmetic: the strictly triangular part is
+    nilpotent). It raises :class:`FlowSolveError` (naming the residual) if ``max_iter``
+    iterations are reached first, or on a non-finite residual. Default ``rtol``:
+    ``1e-12`` in float64, ``1e-6`` in float32.
 
     Example::
 
@@ -499,7 +501,8 @@ def triangular_solve(
     :param log_diag: :math:`\log \operatorname{diag}(J)`, shaped like ``g``. Only the speed
         depends on it (the fixed point does not); ``slack`` extra iterations are allowed
         when it is approximate.
-    :raises FlowSolveError: if not converged within ``max_iter`` (default :math:`D+1`) VJPs.
+    :raises FlowSolveError: if not converged within ``max_iter`` iterations (default
+        :math:`D`, plus ``slack``), or on a non-finite residual.
 
     Example::
 
@@ -523,11 +526,24 @@ def triangular_solve(
             gy = gy + (g - layer.vjp(gy)) * inv_diag
         return gy
     rtol = _rtol(g.dtype)
-    limit = _SETTINGS.max_iter or n + 1 + slack
+    floor = torch.finfo(g.dtype).eps ** 0.5
+    limit = _SETTINGS.max_iter or n + slack
     flat = lambda t: t.reshape(t.shape[: t.dim() - e] + (-1,))  # noqa: E731
-    residual = float("inf")
+    residual, prev = float("inf"), float("inf")
     while True:
-        if it >= limit:
+        delta = (g - layer.vjp(gy)) * inv_diag
+        gy = gy + delta
+        it += 1
+        dn = flat(delta).abs().amax(-1)
+        gn = flat(gy).abs().amax(-1)
+        residual = float((dn / gn.clamp_min(torch.finfo(gn.dtype).tiny)).max())
+        if bool((dn <= rtol * gn).all()):
+            break
+        if residual <= floor and residual > 0.5 * prev:  # stalled at the round-off floor
+            break
+        if residual != residual or it >= limit:
+            if residual == residual and slack == 0 and it >= n and not _SETTINGS.max_iter:
+                break  # exact after D iterations (nilpotent): the rest is round-off
             raise FlowSolveError(
                 f"the triangular solve of the forward-carried pathwise gradient through "
                 f"{type(layer.transform).__name__} (D={n}) did not converge in {it} "
@@ -536,15 +552,7 @@ def triangular_solve(
                 "max_iter=...), or use an estimator that does not split this site "
                 "(Trace_ELBO)."
             )
-        delta = (g - layer.vjp(gy)) * inv_diag
-        gy = gy + delta
-        it += 1
-        dn = flat(delta).abs().amax(-1)
-        gn = flat(gy).abs().amax(-1)
-        ok = bool((dn <= rtol * gn).all())
-        residual = float((dn / gn.clamp_min(torch.finfo(gn.dtype).tiny)).max())
-        if ok:
-            break
+        prev = residual
     for recs in _RECORDS:
         recs.append(SolveRecord(type(layer.transform).__name__, n, it, residual))
     return gy

@@ -372,11 +372,52 @@ def _planar_flow_setup():
     return gm, guide
 
 
-def test_flow_without_inverse_falls_back_to_ordinary_gradient_with_a_warning():
+def test_flow_without_inverse_sticks_the_landing_without_a_warning():
+    """Planar has no inverse; its pathwise part is carried forward (issue 13): no fallback."""
+    import warnings
+
     gm, guide = _planar_flow_setup()
     pyro.set_rng_seed(4)
     ref = gradient_draws(PyroTrace_ELBO(), gm.model, guide, 2, gm.x)
     pyro.set_rng_seed(4)
-    with pytest.warns(UserWarning, match="cannot be split.*ordinary Trace_ELBO gradient"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ours = gradient_draws(TraceSTL_ELBO(), gm.model, guide, 2, gm.x)
+    # same draws, a different (pathwise-only) gradient: the score part is gone
+    assert not torch.allclose(ours, ref, rtol=1e-3, atol=1e-4)
+
+
+class _NoRuleNoInverse(torch.distributions.transforms.Transform):
+    """``y = s (x + x^3)``: parametrized, no forward pathwise rule and no inverse."""
+
+    domain = constraints.real_vector
+    codomain = constraints.real_vector
+    bijective = True
+
+    def __init__(self, s):
+        super().__init__(cache_size=1)
+        self.s = s
+
+    def _call(self, x):
+        return self.s * (x + x**3)
+
+    def log_abs_det_jacobian(self, x, y):
+        return (self.s.log() + torch.log1p(3 * x**2)).sum(-1)
+
+
+def test_flow_without_rule_or_inverse_falls_back_to_ordinary_gradient_with_a_warning():
+    gm = GaussianModel(D=2)
+
+    def guide(x=None):
+        s = pyro.param("nr_s", torch.tensor(0.5), constraint=constraints.positive)
+        loc = pyro.param("nr_loc", torch.zeros(2))
+        base = dist.Normal(loc, 1.0).to_event(1)
+        pyro.sample("z", dist.TransformedDistribution(base, [_NoRuleNoInverse(s)]))
+
+    guide(gm.x)
+    pyro.set_rng_seed(4)
+    ref = gradient_draws(PyroTrace_ELBO(), gm.model, guide, 2, gm.x)
+    pyro.set_rng_seed(4)
+    with pytest.warns(UserWarning, match="'z' cannot be split.*ordinary Trace_ELBO gradient"):
         ours = gradient_draws(TraceSTL_ELBO(), gm.model, guide, 2, gm.x)
     torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
