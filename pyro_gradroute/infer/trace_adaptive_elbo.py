@@ -52,11 +52,12 @@ class _ControlVariate:
         st = self.state.get(name)
         if st is None or st["n"] < max(self.warmup, 1):
             return None
-        ps, ss = st["ps"].to(like), st["ss"].to(like)
-        tiny = torch.finfo(ss.dtype).tiny
-        b = torch.where(ss > tiny, -ps / ss.clamp_min(tiny), torch.zeros_like(ps))
-        if self.clip is not None:
-            b = b.clamp(-self.clip, self.clip)
+        b = st.get("b")
+        if b is None or b.device != like.device or b.dtype != like.dtype:
+            ps, ss = st["ps"].to(like), st["ss"].to(like)
+            b = st["b"] = torch.div(ps, ss.clamp_min(torch.finfo(ss.dtype).tiny)).neg_()
+            if self.clip is not None:
+                b.clamp_(-self.clip, self.clip)
         return b
 
     def update(self, name: str, g_path: torch.Tensor, g_cv: torch.Tensor) -> None:
@@ -64,7 +65,7 @@ class _ControlVariate:
         st = self.state.get(name)
         if st is not None:  # a loaded state may live on another device
             for k, v in st.items():
-                if torch.is_tensor(v):
+                if torch.is_tensor(v) and (v.device != g_cv.device or v.dtype != g_cv.dtype):
                     st[k] = v.to(g_cv)
         if st is None or st["ps"].shape != g_cv.shape:
             st = self.state[name] = {
@@ -74,13 +75,14 @@ class _ControlVariate:
             }
             if self.center:
                 st["mean"] = g_path.clone()  # the first step's product is then 0
-        d = self.decay
+        w = 1 - self.decay
         centered = g_path - st["mean"] if self.center else g_path
-        st["ps"].mul_(d).add_(centered * g_cv, alpha=1 - d)
-        st["ss"].mul_(d).addcmul_(g_cv, g_cv, value=1 - d)
+        st["ps"].lerp_(centered.mul_(g_cv) if self.center else centered * g_cv, w)
+        st["ss"].lerp_(g_cv * g_cv, w)
         if self.center:
-            st["mean"].mul_(d).add_(g_path, alpha=1 - d)
+            st["mean"].lerp_(g_path, w)
         st["n"] += 1
+        st["b"] = None  # recomputed when next asked for
 
     def state_dict(self) -> dict:
         return {
@@ -89,7 +91,11 @@ class _ControlVariate:
             "warmup": self.warmup,
             "center": self.center,
             "moments": {
-                k: {kk: (v.clone() if torch.is_tensor(v) else v) for kk, v in st.items()}
+                k: {
+                    kk: (v.clone() if torch.is_tensor(v) else v)
+                    for kk, v in st.items()
+                    if kk != "b"
+                }
                 for k, st in self.state.items()
             },
         }
@@ -251,7 +257,7 @@ class _AdaptiveMixin:
         for p in order:
             b = weights[p]
             if b is not None:
-                p.grad = g_path[p] + b * g_cv[p]
+                p.grad = torch.addcmul(g_path[p], b, g_cv[p])
         world = _world(self._distributed)
         flat = _allreduce_mean([g_path[p] for p in order] + [g_cv[p] for p in order], world)
         n = len(order)
@@ -376,9 +382,12 @@ class TraceAdaptiveSTL_ELBO(_AdaptiveMixin, TraceSTL_ELBO):
     where the variance is at most that of both STL and ``Trace_ELBO``. :math:`b^\star`
     is estimated by exponential moving averages (factor ``decay``) of
     :math:`(g_\text{path} - m)\,g_\text{score}` and :math:`g_\text{score}^2` over
-    earlier steps, :math:`m` a running mean of :math:`g_\text{path}` (``center=True``;
-    any :math:`m` fixed before the draw leaves the estimate consistent), optionally
-    clipped to :math:`|b| \le` ``clip``.
+    earlier steps, where :math:`m` is a running mean of :math:`g_\text{path}` over
+    earlier steps (``center=True``, the default: any :math:`m` fixed before the draw
+    gives a consistent estimate, and subtracting the mean gradient removes the noise
+    it adds to the estimate far from the optimum and when the guide shares parameters
+    with the model; ``center=False`` uses :math:`m = 0`, two buffers instead of three),
+    optionally clipped to :math:`|b| \le` ``clip``.
 
     **Unbiasedness condition.** Step :math:`t` applies :math:`b_t` computed from steps
     :math:`< t` only (the moments are updated *after* the step's gradient is formed).
@@ -394,8 +403,8 @@ class TraceAdaptiveSTL_ELBO(_AdaptiveMixin, TraceSTL_ELBO):
 
     **Cost.** One model and one guide pass, the base backward, and one small pruned
     backward of the score parts with the sample relays cut (it reaches only the guide's
-    parameters directly), plus two (three with ``center``) buffers of each guide
-    parameter's size.
+    parameters directly: for an amortized guide, one backward of the encoder), plus two
+    buffers (three with ``center``) of each guide parameter's size.
 
     **Sites.** Sites without a score part (``Delta``, non-reparameterized sites,
     ``infer={"stl": False}``, flows that cannot be split, ``Rejector``-like families with
@@ -438,8 +447,8 @@ class TraceAdaptiveSTL_ELBO(_AdaptiveMixin, TraceSTL_ELBO):
     :param clip: optional bound on :math:`|b|`.
     :param warmup: steps during which :math:`b = 0` (STL) while the moments fill.
     :param center: subtract a running mean of :math:`g_\text{path}` in the covariance
-        (a third buffer); far from the optimum the mean gradient otherwise dominates
-        the noise of the estimate of :math:`b`.
+        (a third buffer, the default); far from the optimum the mean gradient otherwise
+        dominates the noise of the estimate of :math:`b`.
     :param distributed: average the parts over ``torch.distributed`` ranks (see above).
 
     Other arguments are :class:`pyro.infer.Trace_ELBO`'s.

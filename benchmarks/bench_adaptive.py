@@ -1,0 +1,378 @@
+"""TraceAdaptiveSTL_ELBO / TraceAdaptiveDReG_ELBO against the estimators they mix, side by side.
+
+Run: ``python benchmarks/bench_adaptive.py`` (add ``--quick`` for a short, noisier run).
+
+(a) Gradient variance on the D=10 conjugate Gaussian at guides ``t`` posterior sds away
+    (mean shifted by ``t`` sds, scale multiplied by ``exp(t/2)``), parameters held fixed,
+    after 300 warm-up calls of ``loss_and_grads``: Var(adaptive) / min(Var STL, Var Trace),
+    and Var(adaptive DReG) / min(Var IWAE, Var DReG) with K=8 (target <= 0.5 at 0.3-5 sds).
+(b) The same ratios along training (Adam, adaptive estimator) of the digits VAE and of a
+    hierarchical model with AutoNormal, at early / middle / late steps: guide parameters,
+    draws at the frozen parameters, the adaptive estimator continuing with the moments it
+    learned in training (target <= 1.0).
+(c) Held-out ELBO of the digits VAE after the same number of steps, paired seeds:
+    adaptive vs Trace_ELBO and STL; held-out log-likelihood (IWAE bound, K=200) for
+    adaptive DReG vs IWAE and DReG (K=8).
+(d) Time per SVI step and memory over Trace_ELBO (targets <= 1.15 and <= 1.1): graph
+    memory saved for backward plus the estimator's moment buffers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import time
+
+import pyro
+import pyro.distributions as dist
+import torch
+from _common import print_table, saved_tensor_bytes, time_interleaved
+from pyro.infer import SVI, RenyiELBO
+from pyro.infer.autoguide import AutoNormal
+from torch.distributions import constraints
+
+from pyro_gradroute.infer import (
+    Trace_ELBO,
+    TraceAdaptiveDReG_ELBO,
+    TraceAdaptiveSTL_ELBO,
+    TraceDReG_ELBO,
+    TraceSTL_ELBO,
+)
+from pyro_gradroute.models.digits_vae import VAE, load_binarized_digits
+
+
+# ----------------------------------------------------------------------------- helpers
+def _params(names=None):
+    store = pyro.get_param_store()
+    keys = sorted(store.keys()) if names is None else names
+    return [(k, store._params[k]) for k in keys]
+
+
+def draws(elbo, model, guide, n, args=(), names=None):
+    """``n`` gradient draws (flattened over ``names``) at fixed parameters."""
+    ps = _params(names)
+    out = []
+    for _ in range(n):
+        for _, p in ps:
+            p.grad = None
+        elbo.loss_and_grads(model, guide, *args)
+        out.append(
+            torch.cat(
+                [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for _, p in ps]
+            )
+        )
+    for _, p in ps:
+        p.grad = None
+    return torch.stack(out)
+
+
+def total_var(g):
+    return g.var(0).sum().item()
+
+
+# ----------------------------------------------------------------------------- (a)
+def gaussian_problem(D=10, n=20):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(n, D, generator=g) + 1
+
+    def model():
+        z = pyro.sample("z", dist.Normal(torch.zeros(D), 1.0).to_event(1))
+        with pyro.plate("data", n):
+            pyro.sample("x", dist.Normal(z, 1.0).to_event(1), obs=x)
+
+    post_sd = (1.0 / (1 + n)) ** 0.5
+    post_mean = x.sum(0) / (1 + n)
+
+    def guide():
+        loc = pyro.param("loc", post_mean.clone())
+        scale = pyro.param("scale", torch.full((D,), post_sd), constraint=constraints.positive)
+        pyro.sample("z", dist.Normal(loc, scale).to_event(1))
+
+    return model, guide, post_mean, post_sd
+
+
+def variance_table(distances, n_draws, warmup=300, K=8):
+    model, guide, post_mean, post_sd = gaussian_problem()
+    rows = []
+    for t in distances:
+        pyro.clear_param_store()
+        guide()
+        store = pyro.get_param_store()
+        with torch.no_grad():
+            store._params["loc"].copy_(post_mean + t * post_sd)
+            store._params["scale"].copy_(math.log(post_sd) + t / 2)  # unconstrained = log
+        v = {}
+        for name, elbo in (
+            ("trace", Trace_ELBO()),
+            ("stl", TraceSTL_ELBO()),
+            ("adaptive", TraceAdaptiveSTL_ELBO()),
+            (
+                "iwae",
+                RenyiELBO(alpha=0, num_particles=K, vectorize_particles=True, max_plate_nesting=1),
+            ),
+            ("dreg", TraceDReG_ELBO(num_particles=K, max_plate_nesting=1)),
+            ("adaptive-dreg", TraceAdaptiveDReG_ELBO(num_particles=K, max_plate_nesting=1)),
+        ):
+            if name.startswith("adaptive"):
+                draws(elbo, model, guide, warmup)
+            v[name] = total_var(draws(elbo, model, guide, n_draws))
+        rows.append(
+            (
+                t,
+                f"{v['stl'] / v['trace']:.3g}",
+                f"{v['adaptive'] / min(v['stl'], v['trace']):.3f}",
+                f"{v['dreg'] / v['iwae']:.3g}",
+                f"{v['adaptive-dreg'] / min(v['dreg'], v['iwae']):.3f}",
+            )
+        )
+    return rows
+
+
+# ----------------------------------------------------------------------------- (b)
+def hierarchical_model(y, sigma):
+    mu = pyro.sample("mu", dist.Normal(0.0, 5.0))
+    tau = pyro.sample("tau", dist.HalfCauchy(5.0))
+    with pyro.plate("groups", len(y)):
+        theta = pyro.sample("theta", dist.Normal(mu, tau))
+        pyro.sample("obs", dist.Normal(theta, sigma), obs=y)
+
+
+def hierarchical_data(J=50):
+    g = torch.Generator().manual_seed(0)
+    y = 3 + 2 * torch.randn(J, generator=g)
+    sigma = 1 + torch.rand(J, generator=g)
+    return y, sigma
+
+
+def along_training(problem, checkpoints, n_draws, lr):
+    """Var ratios at the checkpoints of one Adam run driven by the adaptive estimator."""
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    model, guide, args, guide_names = problem()
+    elbo = TraceAdaptiveSTL_ELBO()
+    svi = SVI(model, guide, pyro.optim.Adam({"lr": lr}), elbo)
+    rows, step = [], 0
+    for c in checkpoints:
+        while step < c:
+            svi.step(*args)
+            step += 1
+        names = guide_names()
+        frozen = copy.deepcopy(elbo.state_dict())
+        probe = TraceAdaptiveSTL_ELBO()
+        probe.load_state_dict(frozen)  # continues from the moments training learned
+        v = {
+            "trace": total_var(draws(Trace_ELBO(), model, guide, n_draws, args, names)),
+            "stl": total_var(draws(TraceSTL_ELBO(), model, guide, n_draws, args, names)),
+            "adaptive": total_var(draws(probe, model, guide, n_draws, args, names)),
+        }
+        rows.append(
+            (c, f"{v['stl'] / v['trace']:.3g}", f"{v['adaptive'] / min(v['stl'], v['trace']):.3f}")
+        )
+    return rows
+
+
+def vae_problem(batch=128):
+    train, _ = load_binarized_digits()
+    vae = VAE()
+    x = train[:batch]
+
+    def names():
+        return sorted(k for k in pyro.get_param_store().keys() if k.startswith("encoder"))
+
+    return vae.model, vae.guide, (x,), names
+
+
+def hier_problem(J=50):
+    y, sigma = hierarchical_data(J)
+    guide = AutoNormal(hierarchical_model)
+
+    def names():
+        return sorted(pyro.get_param_store().keys())
+
+    return hierarchical_model, guide, (y, sigma), names
+
+
+# ----------------------------------------------------------------------------- (c)
+def train_vae(make_elbo, steps, seed, batch=128, lr=3e-3):
+    pyro.clear_param_store()
+    pyro.set_rng_seed(seed)
+    train, test = load_binarized_digits()
+    vae = VAE()
+    svi = SVI(vae.model, vae.guide, pyro.optim.Adam({"lr": lr}), make_elbo())
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        idx = torch.randint(len(train), (batch,), generator=g)
+        svi.step(train[idx])
+    pyro.set_rng_seed(10_000 + seed)
+    with torch.no_grad():
+        elbo = -Trace_ELBO(num_particles=20, vectorize_particles=True, max_plate_nesting=1).loss(
+            vae.model, vae.guide, test
+        ) / len(test)
+        ll = -RenyiELBO(
+            alpha=0, num_particles=200, vectorize_particles=True, max_plate_nesting=1
+        ).loss(vae.model, vae.guide, test) / len(test)
+    return elbo, ll
+
+
+def heldout_table(steps, seeds, K=8):
+    cands = {
+        "Trace_ELBO": lambda: Trace_ELBO(),
+        "TraceSTL_ELBO": lambda: TraceSTL_ELBO(),
+        "TraceAdaptiveSTL_ELBO": lambda: TraceAdaptiveSTL_ELBO(),
+        f"IWAE (K={K})": lambda: RenyiELBO(
+            alpha=0, num_particles=K, vectorize_particles=True, max_plate_nesting=1
+        ),
+        f"TraceDReG_ELBO (K={K})": lambda: TraceDReG_ELBO(num_particles=K, max_plate_nesting=1),
+        f"TraceAdaptiveDReG_ELBO (K={K})": lambda: TraceAdaptiveDReG_ELBO(
+            num_particles=K, max_plate_nesting=1
+        ),
+    }
+    res = {k: [train_vae(f, steps, s) for s in seeds] for k, f in cands.items()}
+    rows = []
+    for k, vals in res.items():
+        e = [v[0] for v in vals]
+        ll = [v[1] for v in vals]
+        rows.append(
+            (
+                k,
+                " ".join(f"{x:.3f}" for x in e),
+                f"{sum(e) / len(e):.3f}",
+                " ".join(f"{x:.3f}" for x in ll),
+                f"{sum(ll) / len(ll):.3f}",
+            )
+        )
+    return rows
+
+
+# ----------------------------------------------------------------------------- (d)
+def buffer_bytes(elbo) -> int:
+    state = getattr(elbo, "_cv", None)
+    if state is None:
+        return 0
+    return sum(
+        v.numel() * v.element_size()
+        for st in state.state.values()
+        for v in st.values()
+        if torch.is_tensor(v)
+    )
+
+
+def cost_table(rounds):
+    rows = []
+    for label, problem, K in (
+        ("digits VAE (batch 128)", vae_problem, 1),
+        ("hierarchical, AutoNormal (J=200)", lambda: hier_problem(200), 1),
+        ("digits VAE (batch 128), K=8", vae_problem, 8),
+    ):
+        pyro.clear_param_store()
+        model, guide, args, _ = problem()
+        if K == 1:
+            elbos = {"base": Trace_ELBO(), "adaptive": TraceAdaptiveSTL_ELBO()}
+        else:
+            elbos = {
+                "base": RenyiELBO(
+                    alpha=0, num_particles=K, vectorize_particles=True, max_plate_nesting=1
+                ),
+                "dreg": TraceDReG_ELBO(num_particles=K, max_plate_nesting=1),
+                "adaptive": TraceAdaptiveDReG_ELBO(num_particles=K, max_plate_nesting=1),
+            }
+        steps = {}
+        for name, elbo in elbos.items():
+            svi = SVI(model, guide, pyro.optim.Adam({"lr": 1e-3}), elbo)
+            steps[name] = lambda svi=svi, args=args: svi.step(*args)
+        t = time_interleaved(steps, rounds)
+        mem = {k: saved_tensor_bytes(f) + buffer_bytes(elbos[k]) for k, f in steps.items()}
+        base = "Trace_ELBO" if K == 1 else f"IWAE (K={K})"
+        rows.append(
+            (
+                label,
+                base,
+                f"{1e3 * t['base']:.2f}",
+                f"{1e3 * t['adaptive']:.2f}",
+                f"{t['adaptive'] / t['base']:.3f}",
+                f"{mem['adaptive'] / mem['base']:.3f}",
+            )
+        )
+        if "dreg" in t:
+            rows.append(
+                (
+                    label,
+                    "TraceDReG_ELBO",
+                    f"{1e3 * t['dreg']:.2f}",
+                    f"{1e3 * t['adaptive']:.2f}",
+                    f"{t['adaptive'] / t['dreg']:.3f}",
+                    f"{mem['adaptive'] / mem['dreg']:.3f}",
+                )
+            )
+    return rows
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="fewer draws, steps and rounds (noisier)"
+    )
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    pyro.set_rng_seed(0)
+    q = args.quick
+    t0 = time.perf_counter()
+
+    print("(d) Cost per SVI step over the base estimator (targets: time <= 1.15, memory <= 1.1)")
+    print_table(
+        cost_table(20 if q else 150),
+        ("model", "base", "base ms", "adaptive ms", "time ratio", "memory ratio"),
+    )
+    print()
+    print(
+        "(a) Gradient variance vs distance from the posterior (D=10 conjugate Gaussian, fixed params, 300 warm-up calls)"
+    )
+    dist_list = [0.3, 1.0, 3.0] if q else [0.1, 0.3, 1.0, 2.0, 3.0, 5.0, 8.0]
+    print_table(
+        variance_table(dist_list, 100 if q else 1000),
+        (
+            "distance (sds)",
+            "STL/Trace",
+            "adaptive/min(STL,Trace)",
+            "DReG/IWAE (K=8)",
+            "adaptive-DReG/min(IWAE,DReG)",
+        ),
+    )
+    print()
+    n_draws = 50 if q else 400
+    for label, problem, cps, lr in (
+        (
+            "digits VAE (batch 128, lr 3e-3)",
+            vae_problem,
+            (10, 50, 150) if q else (20, 300, 1500),
+            3e-3,
+        ),
+        (
+            "hierarchical, AutoNormal (J=50, lr 0.02)",
+            hier_problem,
+            (10, 50, 150) if q else (20, 300, 1500),
+            0.02,
+        ),
+    ):
+        print(f"(b) Along training: {label}; guide parameters; target adaptive/min <= 1")
+        print_table(
+            along_training(problem, cps, n_draws, lr),
+            ("step", "STL/Trace", "adaptive/min(STL,Trace)"),
+        )
+        print()
+    steps, seeds = (100, (0, 1)) if q else (1000, (0, 1, 2))
+    print(
+        f"(c) Digits VAE after {steps} steps (batch 128, Adam 3e-3), paired seeds {seeds}: held-out ELBO and log-likelihood (IWAE K=200) per image"
+    )
+    print_table(
+        heldout_table(steps, seeds),
+        ("estimator", "held-out ELBO by seed", "mean", "held-out log p(x) by seed", "mean"),
+    )
+    print(f"\n(total {time.perf_counter() - t0:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()

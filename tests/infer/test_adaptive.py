@@ -1,0 +1,412 @@
+"""TraceAdaptiveSTL_ELBO / TraceAdaptiveDReG_ELBO: exact endpoints, unbiased, lower variance, resumable."""
+
+from __future__ import annotations
+
+import io
+import math
+
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+from pyro.infer import SVI
+from pyro.infer import autoguide as ag
+from pyro.nn import PyroModule
+from torch.distributions import constraints
+
+from pyro_gradroute.infer import (
+    Trace_ELBO,
+    TraceAdaptiveDReG_ELBO,
+    TraceAdaptiveSTL_ELBO,
+    TraceDReG_ELBO,
+    TraceSTL_ELBO,
+)
+from pyro_gradroute.poutine import block_grad
+from tests.conjugate import GaussianModel, gradient_draws, leaves
+
+# ------------------------------------------------------------------ helpers
+
+
+def grads_on_seed(elbo, model, guide, seed, *args):
+    for _, p in leaves():
+        p.grad = None
+    pyro.set_rng_seed(seed)
+    elbo.loss_and_grads(model, guide, *args)
+    out = {k: (p.grad.clone() if p.grad is not None else torch.zeros_like(p)) for k, p in leaves()}
+    for _, p in leaves():
+        p.grad = None
+    return out
+
+
+def force_weights(elbo, b: float, model, guide, *args):
+    """Fill the moments so that every weight is ``b`` (after two steps that create them)."""
+    for _ in range(2):
+        grads_on_seed(elbo, model, guide, 123, *args)
+    for st in elbo._cv.state.values():
+        st["ss"].fill_(1.0)
+        st["ps"].fill_(-b)
+        st["n"] = 10**6
+        st.pop("b", None)
+
+
+def assert_same(a, b, atol=1e-5):
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=atol, msg=k)
+
+
+def conditional_model(x):
+    mu = pyro.sample("mu", dist.Normal(0.0, 1.0))
+    with pyro.plate("data", len(x)):
+        z = pyro.sample("z", dist.Normal(mu, 1.0))
+        pyro.sample("x", dist.Normal(z, 0.5), obs=x)
+
+
+def conditional_guide(x):
+    m = pyro.param("m", torch.tensor(0.3))
+    s = pyro.param("s", torch.tensor(0.7), constraint=constraints.positive)
+    a = pyro.param("a", torch.tensor(0.5))
+    mu = pyro.sample("mu", dist.Normal(m, s))
+    with pyro.plate("data", len(x)):
+        pyro.sample("z", dist.Normal(a * x + mu, 0.6))  # q(z | mu): a conditional link
+
+
+X = torch.tensor([0.4, -1.2, 2.0, 0.7, 1.1, -0.3])
+
+
+# ------------------------------------------------------------------ endpoints: b = 0 is STL, b = 1 Trace_ELBO
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [{}, {"num_particles": 3}, {"num_particles": 3, "vectorize_particles": True}],
+    ids=["1", "3-seq", "3-vec"],
+)
+@pytest.mark.parametrize("b", [0.0, 1.0])
+def test_endpoints_stl(kw, b):
+    kw = dict(kw, max_plate_nesting=1)
+    conditional_guide(X)
+    ref = (Trace_ELBO if b else TraceSTL_ELBO)(**kw)
+    elbo = TraceAdaptiveSTL_ELBO(warmup=0, **kw)
+    force_weights(elbo, b, conditional_model, conditional_guide, X)
+    ours = grads_on_seed(elbo, conditional_model, conditional_guide, 5, X)
+    assert_same(ours, grads_on_seed(ref, conditional_model, conditional_guide, 5, X))
+    assert sorted(elbo.control_variate_weights()) == ["a", "m", "s"]
+
+
+def _subsampled_model(x):
+    mu = pyro.sample("mu", dist.Normal(0.0, 1.0))
+    with pyro.plate("data", len(x), subsample_size=3) as idx:
+        pyro.sample("x", dist.Normal(mu, 1.0), obs=x[idx])
+
+
+def _two_site_model(x):
+    pyro.sample("u", dist.Normal(0.0, 1.0))
+    _subsampled_model(x)
+
+
+def _two_site_guide(x):
+    pyro.sample("u", dist.Normal(pyro.param("u_loc", torch.tensor(0.2)), 0.9), infer={"stl": False})
+    loc = pyro.param("loc", torch.tensor(0.1))
+    pyro.sample(
+        "mu", dist.Normal(loc, pyro.param("sc", torch.tensor(0.5), constraint=constraints.positive))
+    )
+
+
+@pytest.mark.parametrize("b", [0.0, 1.0])
+def test_endpoints_subsampling_and_sites_without_score_part(b):
+    """Subsampled plate; a site marked stl=False (no score part: Trace_ELBO's treatment at any b)."""
+    _two_site_guide(X)
+    ref = (Trace_ELBO if b else TraceSTL_ELBO)(max_plate_nesting=1)
+    elbo = TraceAdaptiveSTL_ELBO(warmup=0, max_plate_nesting=1)
+    force_weights(elbo, b, _two_site_model, _two_site_guide, X)
+    assert sorted(elbo.control_variate_weights()) == ["loc", "sc"]  # not u_loc
+    assert_same(
+        grads_on_seed(elbo, _two_site_model, _two_site_guide, 7, X),
+        grads_on_seed(ref, _two_site_model, _two_site_guide, 7, X),
+    )
+
+
+@pytest.mark.parametrize("b", [0.0, 1.0])
+def test_endpoints_with_block_grad_route(b):
+    """A guide site blocked from a parameter sends it neither its pathwise nor its score part."""
+    routed_guide = block_grad(conditional_guide, sites=["z"], params=["m", "s"])
+    conditional_guide(X)
+    ref = (Trace_ELBO if b else TraceSTL_ELBO)(max_plate_nesting=1)
+    elbo = TraceAdaptiveSTL_ELBO(warmup=0, max_plate_nesting=1)
+    force_weights(elbo, b, conditional_model, routed_guide, X)
+    ours = grads_on_seed(elbo, conditional_model, routed_guide, 3, X)
+    assert_same(ours, grads_on_seed(ref, conditional_model, routed_guide, 3, X))
+    unrouted = grads_on_seed(elbo, conditional_model, conditional_guide, 3, X)
+    assert not torch.allclose(ours["m"], unrouted["m"])
+
+
+class _IWAE(TraceDReG_ELBO):
+    """Hand-made IWAE surrogate on the same draws: all factors 1, the full guide log-density."""
+
+    def _site_factors(self, guide_sites, w, outer):
+        self._w = w
+        return {}
+
+    def _particle_terms(self, model_trace, guide_trace, blocks=None):
+        elbo, terms = super()._particle_terms(model_trace, guide_trace, blocks)
+        for name, site in guide_trace.nodes.items():
+            if site["type"] == "sample":
+                terms[("guide", name)] = -(self._w * site["log_prob"]).sum()
+        return elbo, terms
+
+
+@pytest.mark.parametrize("K", [1, 4])
+@pytest.mark.parametrize("b", [0.0, 1.0])
+def test_endpoints_dreg(K, b):
+    """b = 0: TraceDReG_ELBO; b = 1: the IWAE gradient, on the same draws (conditional guide)."""
+    conditional_guide(X)
+    ref = (_IWAE if b else TraceDReG_ELBO)(num_particles=K, max_plate_nesting=1)
+    elbo = TraceAdaptiveDReG_ELBO(num_particles=K, max_plate_nesting=1, warmup=0)
+    force_weights(elbo, b, conditional_model, conditional_guide, X)
+    assert_same(
+        grads_on_seed(elbo, conditional_model, conditional_guide, 11, X),
+        grads_on_seed(ref, conditional_model, conditional_guide, 11, X),
+    )
+
+
+def test_dreg_control_variate_has_mean_zero():
+    """E[IWAE - DReG] = 0 for the guide: the adaptive mix is unbiased for any b."""
+    conditional_guide(X)
+    iw = gradient_draws(
+        _IWAE(num_particles=4, max_plate_nesting=1), conditional_model, conditional_guide, 400, X
+    )
+    dr = gradient_draws(
+        TraceDReG_ELBO(num_particles=4, max_plate_nesting=1),
+        conditional_model,
+        conditional_guide,
+        400,
+        X,
+    )
+    se = (iw.var(0) / len(iw) + dr.var(0) / len(dr)).sqrt()
+    assert ((iw.mean(0) - dr.mean(0)).abs() <= 5 * se).all()
+
+
+def test_dreg_block_grad_is_a_clear_error():
+    routed = block_grad(conditional_guide, sites=["z"], params=["m"])
+    with pytest.raises(NotImplementedError, match="block_grad"):
+        TraceAdaptiveDReG_ELBO(num_particles=2, max_plate_nesting=1).loss_and_grads(
+            conditional_model, routed, X
+        )
+
+
+# ------------------------------------------------------------------ unbiased for several guides
+
+
+class Encoder(PyroModule):
+    """An amortized encoder: each data point's q(z_i | x_i) from a linear layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = PyroModule[torch.nn.Linear](1, 2)
+
+    def forward(self, x):
+        h = self.net(x.unsqueeze(-1))
+        with pyro.plate("data", len(x)):
+            pyro.sample("z", dist.Normal(h[..., 0], torch.nn.functional.softplus(h[..., 1]) + 0.1))
+
+
+def local_model(x):
+    with pyro.plate("data", len(x)):
+        z = pyro.sample("z", dist.Normal(0.0, 1.0))
+        pyro.sample("x", dist.Normal(z, 0.5), obs=x)
+
+
+def _case(kind):
+    gm = GaussianModel(D=3, n=4, seed=2)
+    if kind == "AutoNormal":
+        return gm.model, ag.AutoNormal(gm.model, init_scale=0.3), ()
+    if kind == "AutoMultivariateNormal":
+        return gm.model, ag.AutoMultivariateNormal(gm.model, init_scale=0.3), ()
+    if kind == "conditional":
+        return conditional_model, conditional_guide, (X,)
+    return local_model, Encoder(), (X,)
+
+
+@pytest.mark.parametrize("kind", ["AutoNormal", "AutoMultivariateNormal", "conditional", "encoder"])
+def test_mean_gradient_equals_trace_elbo(kind):
+    model, guide, args = _case(kind)
+    elbo = TraceAdaptiveSTL_ELBO(max_plate_nesting=1, decay=0.95)
+    elbo.loss(model, guide, *args)  # create the params
+    with torch.no_grad():  # move away from the initialisation, deterministically
+        for i, (_, p) in enumerate(leaves()):
+            p.add_(0.3 * torch.cos(torch.arange(p.numel(), dtype=p.dtype) + i).reshape(p.shape))
+    gradient_draws(elbo, model, guide, 60, *args)  # warm-up: b is learned
+    b = torch.cat([w.reshape(-1) for w in elbo.control_variate_weights().values()])
+    assert (b != 0).any()
+    ours = gradient_draws(elbo, model, guide, 200, *args)
+    ref = gradient_draws(Trace_ELBO(max_plate_nesting=1), model, guide, 200, *args)
+    se = (ours.var(0) / len(ours) + ref.var(0) / len(ref)).sqrt()
+    assert ((ours.mean(0) - ref.mean(0)).abs() <= 5 * se + 1e-6).all()
+
+
+# ------------------------------------------------------------------ at the exact posterior
+
+
+def test_exactly_zero_at_exact_posterior():
+    gm = GaussianModel(D=2, n=5, prior_cov=torch.eye(2), seed=1)
+    mean, cov = gm.posterior()
+
+    def guide():
+        loc = pyro.param("loc", mean.clone())
+        scale = pyro.param("scale", cov.diagonal().sqrt(), constraint=constraints.positive)
+        pyro.sample("z", dist.Normal(loc, scale).to_event(1))
+
+    elbo = TraceAdaptiveSTL_ELBO(warmup=3, decay=0.9)
+    gradient_draws(elbo, gm.model, guide, 20)
+    for b in elbo.control_variate_weights().values():
+        assert b.abs().max() < 1e-3  # converged to 0 (the pathwise part is ~0 on every draw)
+    g = gradient_draws(elbo, gm.model, guide, 20)
+    assert g.abs().max() < 1e-4
+
+
+class SharedParams:
+    """z ~ N(theta, 1), x ~ N(z, 1); the guide is the exact posterior built from the model's theta.
+
+    As in Pyro's Gaussian-HMM conjugate test: log p(x, z) - log q(z) = log p(x; theta) for
+    every z, so Trace_ELBO's gradient has zero variance while STL's does not.
+    """
+
+    x = torch.tensor(1.3)
+
+    def model(self):
+        theta = pyro.param("theta", torch.tensor(0.4))
+        z = pyro.sample("z", dist.Normal(theta, 1.0))
+        pyro.sample("x", dist.Normal(z, 1.0), obs=self.x)
+
+    def guide(self):
+        theta = pyro.param("theta", torch.tensor(0.4))
+        pyro.sample("z", dist.Normal((theta + self.x) / 2, math.sqrt(0.5)))
+
+
+def test_shared_parameters_b_goes_to_one():
+    c = SharedParams()
+    elbo = TraceAdaptiveSTL_ELBO(decay=0.98)
+    gradient_draws(elbo, c.model, c.guide, 300)
+    (b,) = elbo.control_variate_weights().values()
+    assert abs(b.item() - 1.0) < 0.05
+    ours = gradient_draws(elbo, c.model, c.guide, 300)
+    trace = gradient_draws(Trace_ELBO(), c.model, c.guide, 300)
+    stl = gradient_draws(TraceSTL_ELBO(), c.model, c.guide, 300)
+    assert trace.var(0).item() < 1e-10  # Trace_ELBO: exactly the deterministic gradient
+    assert ours.var(0).item() <= 1e-3 * stl.var(0).item()
+    torch.testing.assert_close(ours.mean(0), trace.mean(0), atol=0.02, rtol=0)
+
+
+# ------------------------------------------------------------------ variance on the D=10 Gaussian
+
+
+@pytest.mark.parametrize("t", [0.3, 1.0, 3.0])
+def test_variance_below_half_of_the_better_estimator(t):
+    D, n = 10, 20
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(n, D, generator=g) + 1
+
+    def model():
+        z = pyro.sample("z", dist.Normal(torch.zeros(D), 1.0).to_event(1))
+        with pyro.plate("data", n):
+            pyro.sample("x", dist.Normal(z, 1.0).to_event(1), obs=x)
+
+    post_sd = (1.0 / (1 + n)) ** 0.5
+    post_mean = x.sum(0) / (1 + n)
+
+    def guide():
+        loc = pyro.param("loc", post_mean + t * post_sd)
+        scale = pyro.param(
+            "scale", torch.full((D,), post_sd * math.exp(t / 2)), constraint=constraints.positive
+        )
+        pyro.sample("z", dist.Normal(loc, scale).to_event(1))
+
+    elbo = TraceAdaptiveSTL_ELBO()
+    gradient_draws(elbo, model, guide, 300)  # 300 warm-up calls at fixed parameters
+    v_ours = gradient_draws(elbo, model, guide, 200).var(0).sum()
+    v_trace = gradient_draws(Trace_ELBO(), model, guide, 200).var(0).sum()
+    v_stl = gradient_draws(TraceSTL_ELBO(), model, guide, 200).var(0).sum()
+    assert v_ours <= 0.5 * min(v_trace, v_stl)
+
+
+# ------------------------------------------------------------------ state
+
+
+def test_state_dict_round_trip_gives_identical_gradients():
+    model, guide, args = _case("AutoNormal")
+    elbo = TraceAdaptiveSTL_ELBO(decay=0.9, warmup=2, clip=5.0)
+    svi = SVI(model, guide, pyro.optim.SGD({"lr": 0.01}), elbo)
+    for _ in range(15):
+        svi.step(*args)
+    buf = io.BytesIO()
+    torch.save(elbo.state_dict(), buf)
+    buf.seek(0)
+    resumed = TraceAdaptiveSTL_ELBO()
+    resumed.load_state_dict(torch.load(buf, weights_only=False))
+    assert resumed.decay == 0.9 and resumed.clip == 5.0
+    for k, b in elbo.control_variate_weights().items():
+        torch.testing.assert_close(resumed.control_variate_weights()[k], b, rtol=0, atol=0)
+    for seed in (1, 2):  # two steps: the moments updated alike too
+        a = grads_on_seed(elbo, model, guide, seed, *args)
+        r = grads_on_seed(resumed, model, guide, seed, *args)
+        assert_same(a, r, atol=0)
+    resumed.reset()
+    assert resumed.control_variate_weights() == {}
+    assert_same(
+        grads_on_seed(resumed, model, guide, 4, *args),
+        grads_on_seed(TraceSTL_ELBO(), model, guide, 4, *args),
+    )
+
+
+def test_grad_accumulates_onto_existing_grad():
+    conditional_guide(X)
+    elbo = TraceAdaptiveSTL_ELBO(warmup=0, max_plate_nesting=1)
+    force_weights(elbo, 0.5, conditional_model, conditional_guide, X)
+    state = elbo.state_dict()
+    g = grads_on_seed(elbo, conditional_model, conditional_guide, 8, X)
+    elbo.load_state_dict(state)
+    for _, p in leaves():
+        p.grad = torch.ones_like(p)
+    pyro.set_rng_seed(8)
+    elbo.loss_and_grads(conditional_model, conditional_guide, X)
+    for k, p in leaves():
+        torch.testing.assert_close(p.grad, g[k] + 1, rtol=1e-5, atol=1e-6)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="decay"):
+        TraceAdaptiveSTL_ELBO(decay=1.0)
+    with pytest.raises(ValueError, match="clip"):
+        TraceAdaptiveSTL_ELBO(clip=0.0)
+
+
+# ------------------------------------------------------------------ distributed
+
+
+def _distributed_worker(rank, world_size):
+    from pyro_gradroute.distributed import DistributedOptimizer, broadcast_param_store
+
+    pyro.clear_param_store()
+    pyro.set_rng_seed(10 + rank)  # different draws on every rank
+    model, guide, args = _case("AutoNormal")
+    elbo = TraceAdaptiveSTL_ELBO(decay=0.9, warmup=2)
+    elbo.loss(model, guide, *args)
+    broadcast_param_store(src=0)
+    svi = SVI(model, guide, DistributedOptimizer(pyro.optim.Adam({"lr": 0.01})), elbo)
+    for _ in range(8):
+        svi.step(*args)
+    params = {k: v.detach().clone() for k, v in pyro.get_param_store().items()}
+    return {"b": elbo.control_variate_weights(), "params": params}
+
+
+def test_distributed_weights_identical_on_every_rank(tmp_path):
+    from tests.distributed.launch import run_ranks
+
+    r0, r1 = run_ranks(_distributed_worker, out_dir=tmp_path, world_size=2, timeout_s=120)
+    assert r0["b"].keys() == r1["b"].keys() and r0["b"]
+    for k in r0["b"]:
+        torch.testing.assert_close(r0["b"][k], r1["b"][k], rtol=0, atol=0)
+        assert (r0["b"][k] != 0).any()
+    for k in r0["params"]:
+        torch.testing.assert_close(r0["params"][k], r1["params"][k], rtol=0, atol=0)
