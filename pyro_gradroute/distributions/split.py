@@ -389,7 +389,7 @@ def preimage_rsample(fn: Distribution, sample_shape=torch.Size()):
         and _default_score_parts(fn)
         and _default_score_parts(fn.base_dist)
     ):
-        if all(_param_free(t) for t in fn.transforms):
+        if all(_param_free(t) and _cached(t) for t in fn.transforms):
             x = fn.base_dist.rsample(sample_shape)
             y = x
             for t in fn.transforms:
@@ -399,6 +399,21 @@ def preimage_rsample(fn: Distribution, sample_shape=torch.Size()):
             path = flows.forward_path(fn, sample_shape)
             return path.value, path
     return fn.rsample(sample_shape), None
+
+
+def _cached(t) -> bool:
+    """Whether ``t`` (every part of it) caches its last pre-image, as Pyro's log_prob then uses it.
+
+    For an uncached transform the ordinary ``log_prob`` runs the inverse; the split then
+    does the same, so that loss values stay identical to ``Trace_ELBO``'s.
+    """
+    from torch.distributions.transforms import ComposeTransform, IndependentTransform
+
+    if isinstance(t, ComposeTransform):
+        return all(_cached(p) for p in t.parts)
+    if isinstance(t, IndependentTransform):
+        return _cached(t.base_transform)
+    return getattr(t, "_cache_size", 0) >= 1
 
 
 def _transformed_log_prob(fn: TransformedDistribution, x: torch.Tensor) -> torch.Tensor:
