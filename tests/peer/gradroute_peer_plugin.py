@@ -26,9 +26,11 @@ receives one as a parametrize value, or calls ``loss``/``loss_and_grads``/
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import os
+import re
 import sys
 import traceback
 
@@ -36,6 +38,7 @@ import pytest
 
 MODE = os.environ.get("GRADROUTE_PEER_ELBO", "trace")
 OUT = os.environ.get("GRADROUTE_PEER_OUT")
+STRICT = bool(os.environ.get("GRADROUTE_PEER_STRICT"))
 
 _current: list[str | None] = [None]
 _built: dict[str, set[str]] = {}  # nodeid -> how ("init", "param", "used")
@@ -124,17 +127,14 @@ def _install() -> None:
                     vectorize_particles=vectorize_particles,
                     strict_enumeration_warning=strict_enumeration_warning,
                 )
+                if num_particles > 1 and not vectorize_particles and not STRICT:
+                    # DReG draws coupled particles in one vectorized pass only; the
+                    # pyro-renyi baseline is coerced alike, to compare like with like
+                    kw["vectorize_particles"] = True
+                    if _current[0] is not None:
+                        _coerced.add(_current[0])
                 if MODE == "dreg":
                     kw.pop("max_iarange_nesting")
-                    if (
-                        num_particles > 1
-                        and not vectorize_particles
-                        and not os.environ.get("GRADROUTE_PEER_STRICT")
-                    ):
-                        # DReG draws coupled particles in one vectorized pass only
-                        kw["vectorize_particles"] = True
-                        if _current[0] is not None:
-                            _coerced.add(_current[0])
                 else:
                     kw = {"alpha": 0, **kw}
                 return Target(**kw)
@@ -178,15 +178,86 @@ def pytest_configure(config):
     _install()
 
 
-def pytest_collection_modifyitems(config, items):
-    """Count tests given an instance; deselect tests parametrized by other ELBOs only.
+_source_cache: dict = {}
 
-    A test whose parametrize values name some ELBO class or instance, none of them the
-    substituted one (``TraceGraph_ELBO``, ``JitTrace_ELBO``, ... cases of a test run for
-    several ELBOs), cannot build it: it is deselected to save time unless
-    ``GRADROUTE_PEER_ALL=1``.
+
+def _source(obj) -> str:
+    key = id(obj)
+    if key not in _source_cache:
+        try:
+            _source_cache[key] = inspect.getsource(obj)
+        except (OSError, TypeError):
+            _source_cache[key] = ""
+    return _source_cache[key]
+
+
+_builders_cache: dict[str, set[str]] = {}
+
+
+def _builders(module) -> set[str]:
+    """Names in a test module that (transitively) mention the substituted ELBO.
+
+    Functions and methods whose source names it or another builder, and module globals
+    holding it (lists of ELBO classes or instances, aliases).
+    """
+    name = getattr(module, "__name__", "")
+    if name in _builders_cache:
+        return _builders_cache[name]
+    srcs: dict[str, str] = {}
+    found: set[str] = {_REPLACED}
+    for attr, obj in list(vars(module).items()):
+        if inspect.isfunction(obj) and obj.__module__ == name:
+            srcs[attr] = _source(obj)
+        elif inspect.isclass(obj) and obj.__module__ == name:
+            srcs[attr] = _source(obj)
+            for m_name, m in vars(obj).items():
+                if inspect.isfunction(m):
+                    srcs[m_name] = srcs.get(m_name, "") + _source(m)
+        elif "ours" in _elbo_kind(obj):
+            found.add(attr)
+    changed = True
+    while changed:
+        changed = False
+        pattern = re.compile(r"\b(" + "|".join(map(re.escape, sorted(found))) + r")\b")
+        for attr, src in srcs.items():
+            if attr not in found and pattern.search(src):
+                found.add(attr)
+                changed = True
+    _builders_cache[name] = found
+    return found
+
+
+def _may_build(item, kinds: set[str]) -> bool:
+    if "ours" in kinds:
+        return True
+    module = getattr(item, "module", None)
+    if module is None:
+        return True
+    found = _builders(module)
+    pattern = re.compile(r"\b(" + "|".join(map(re.escape, sorted(found))) + r")\b")
+    if pattern.search(_source(getattr(item, "function", None))):
+        return True
+    if any(f in found for f in getattr(item, "fixturenames", ())):
+        return True
+    callspec = getattr(item, "callspec", None)
+    for v in callspec.params.values() if callspec is not None else ():
+        if callable(v) and not isinstance(v, type) and pattern.search(_source(v)):
+            return True
+    return False
+
+
+def pytest_collection_modifyitems(config, items):
+    """Count tests given an instance; deselect tests that cannot build the ELBO.
+
+    Kept: tests parametrized by the substituted class or an instance of it, and tests
+    whose source names it or a function, method or global of their module that does
+    (transitively), or that use such a fixture. Deselected (to save time; everything
+    runs with ``GRADROUTE_PEER_ALL=1``): the rest, e.g. the ``TraceGraph_ELBO`` cases of
+    a test parametrized over several ELBOs. Whatever runs, only tests that really build
+    the ELBO are counted.
     """
     keep, drop = [], []
+    run_all = bool(os.environ.get("GRADROUTE_PEER_ALL"))
     for item in items:
         callspec = getattr(item, "callspec", None)
         kinds: set[str] = set()
@@ -195,10 +266,10 @@ def pytest_collection_modifyitems(config, items):
                 kinds |= _elbo_kind(v)
         if "instance" in kinds:
             _built.setdefault(item.nodeid, set()).add("param")
-        if kinds == {"other"} and not os.environ.get("GRADROUTE_PEER_ALL"):
-            drop.append(item)
-        else:
+        if run_all or _may_build(item, kinds):
             keep.append(item)
+        else:
+            drop.append(item)
     _deselected[0] += len(drop)
     if drop:
         config.hook.pytest_deselected(items=drop)
@@ -245,12 +316,27 @@ def pytest_runtest_makereport(item, call):
             res["raised_at"] = f"{os.path.basename(last.filename)}:{last.lineno} in {last.name}"
 
 
-def pytest_sessionfinish(session, exitstatus):
+_collected = [0]
+
+
+def pytest_collection_finish(session):
+    _collected[0] = len(session.items)
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    _results.setdefault(nodeid, {"outcome": "passed"})["done"] = True
+    if nodeid in _built:
+        _dump()  # incrementally: a run killed at a time limit keeps what it did
+
+
+def _dump() -> None:
     if not OUT:
         return
     tests = {}
     for nodeid, how in _built.items():
-        res = dict(_results.get(nodeid, {"outcome": "not run"}))
+        res = dict(_results.get(nodeid, {}))
+        if not res.pop("done", False):
+            res["outcome"] = "unfinished"
         res["built_by"] = sorted(how)
         if nodeid in _coerced:
             res["coerced_vectorize"] = True
@@ -258,9 +344,15 @@ def pytest_sessionfinish(session, exitstatus):
     data = {
         "mode": MODE,
         "replaced": _REPLACED,
-        "collected": len(session.items),
-        "deselected_other_elbo": _deselected[0],
+        "collected": _collected[0],
+        "deselected": _deselected[0],
         "tests": tests,
     }
-    with open(OUT, "w") as f:
+    tmp = OUT + ".tmp"
+    with open(tmp, "w") as f:
         json.dump(data, f, indent=1, sort_keys=True)
+    os.replace(tmp, OUT)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    _dump()

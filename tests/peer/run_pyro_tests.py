@@ -7,7 +7,8 @@ Modes (``--elbo``, repeatable or comma-separated; default ``trace,stl,dreg``):
 * ``stl``:   ``pyro_gradroute.infer.TraceSTL_ELBO`` replaces ``pyro.infer.Trace_ELBO``;
 * ``dreg``:  ``pyro_gradroute.infer.TraceDReG_ELBO`` replaces ``pyro.infer.RenyiELBO``
   built with ``alpha=0`` (``vectorize_particles`` is forced on when ``num_particles > 1``,
-  since DReG draws coupled particles in one pass; ``--strict`` keeps the test's value).
+  since DReG draws coupled particles in one pass; the baseline rerun with Pyro's
+  ``RenyiELBO`` is coerced alike; ``--strict`` keeps the test's value).
 
 The substitution is done by a pytest plugin (``gradroute_peer_plugin.py``, loaded with
 ``-p``) before any test module is imported. Only tests that actually build the
@@ -76,6 +77,8 @@ KNOWN = [
     # filled in from the runs (see the report in the commit message / README section)
 ]
 
+OUTCOMES = ("passed", "failed", "error", "skipped", "xfailed", "xpassed", "unfinished")
+
 HOWTO = """\
 A Pyro source checkout matching the installed pyro-ppl {version} is needed (only its
 tests/ folder is used). Get one with, e.g.:
@@ -120,7 +123,9 @@ def check_pyro_src(path: str | None) -> Path:
     return src
 
 
-def run_pytest(src: Path, mode: str, args: list[str], timeout: float, strict: bool) -> dict:
+def run_pytest(
+    src: Path, mode: str, args: list[str], timeout: float, strict: bool, all_tests: bool = False
+) -> dict:
     """One pytest process in ``src`` with the plugin in ``mode``; returns the plugin's JSON."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = f.name
@@ -130,6 +135,8 @@ def run_pytest(src: Path, mode: str, args: list[str], timeout: float, strict: bo
     env["GRADROUTE_PEER_OUT"] = out
     if strict:
         env["GRADROUTE_PEER_STRICT"] = "1"
+    if all_tests:
+        env["GRADROUTE_PEER_ALL"] = "1"
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("MKL_NUM_THREADS", "1")
     cmd = [sys.executable, "-m", "pytest", "-q", "-rN", "--tb=no", "-p", "gradroute_peer_plugin"]
@@ -146,7 +153,8 @@ def run_pytest(src: Path, mode: str, args: list[str], timeout: float, strict: bo
         )
         tail, rc = (proc.stdout + proc.stderr)[-3000:], proc.returncode
     except subprocess.TimeoutExpired as e:
-        tail, rc = f"timed out after {timeout}s\n{(e.stdout or '')[-2000:]}", "timeout"
+        out_text = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else e.stdout
+        tail, rc = f"timed out after {timeout:.0f}s\n{(out_text or '')[-500:]}", "timeout"
     try:
         data = json.loads(Path(out).read_text() or "{}")
     except (OSError, json.JSONDecodeError):
@@ -154,6 +162,7 @@ def run_pytest(src: Path, mode: str, args: list[str], timeout: float, strict: bo
     Path(out).unlink(missing_ok=True)
     data.setdefault("tests", {})
     data.setdefault("collected", 0)
+    data.setdefault("deselected", 0)
     data["rc"], data["tail"], data["seconds"] = rc, tail, time.time() - t0
     return data
 
@@ -170,6 +179,11 @@ def classify(mode: str, nodeid: str, res: dict) -> str:
         if m == mode and fnmatch.fnmatchcase(nodeid, pattern):
             return reason
     base = res.get("baseline")
+    if base in ("failed", "error") and res.get("coerced_vectorize"):
+        return (
+            "harness: vectorize_particles=True was forced (DReG needs it); Pyro's "
+            "RenyiELBO fails the same way when vectorized"
+        )
     if base in ("failed", "error"):
         return "environment: fails with Pyro's own class too"
     exc = res.get("exc_type", "")
@@ -187,7 +201,12 @@ def main(argv=None) -> int:
     p.add_argument("--elbo", action="append", help="trace, stl, dreg (default: all three)")
     p.add_argument("--files", nargs="+", help="test files, relative to tests/infer")
     p.add_argument("--jobs", "-j", type=int, default=min(2, os.cpu_count() or 1))
-    p.add_argument("--timeout", type=float, default=1200, help="seconds per file")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds per file")
+    p.add_argument(
+        "--all-tests",
+        action="store_true",
+        help="run every test of the files (default: deselect tests that cannot build it)",
+    )
     p.add_argument("--no-baseline", action="store_true", help="don't rerun failures on Pyro's")
     p.add_argument("--strict", action="store_true", help="dreg: keep vectorize_particles=False")
     p.add_argument("--json", help="write all results here")
@@ -230,6 +249,7 @@ def main(argv=None) -> int:
                     [f"tests/infer/{f}", *extra],
                     args.timeout,
                     args.strict,
+                    args.all_tests,
                 ): f
                 for f in todo
             }
@@ -241,8 +261,9 @@ def main(argv=None) -> int:
                 n_ok = sum(r["outcome"] == "passed" for r in data["tests"].values())
                 note = "" if data["rc"] in (0, 1, 5) else f"  [pytest rc={data['rc']}]"
                 print(
-                    f"   {f:36s} {data['seconds']:6.0f}s  collected {data['collected']:4d}"
-                    f"  built {n_built:4d}  passed {n_ok:4d}{note}",
+                    f"   {f:36s} {data['seconds']:6.0f}s  ran {data['collected']:4d}"
+                    f" (deselected {data['deselected']:4d})  built {n_built:4d}"
+                    f"  passed {n_ok:4d}{note}",
                     flush=True,
                 )
                 if data["rc"] not in (0, 1, 5):
@@ -270,20 +291,40 @@ def main(argv=None) -> int:
 
     # ------------------------------------------------------------------ report
     print(f"\n== Summary ({time.time() - t_start:.0f}s)\n")
-    head = f"{'ELBO':8s} {'replaces':12s} {'collected':>9s} {'built':>6s} {'passed':>6s}"
-    head += f" {'failed':>6s} {'skip/xf':>7s} {'env':>4s}"
-    print(head)
-    print("-" * len(head))
+    cols = ["ELBO", "replaces", "ran", "built", "passed", "failed", "also-pyro", "skip/xf", "unfin"]
+    widths = [6, 10, 6, 6, 6, 6, 9, 7, 5]
+    line = " ".join(
+        f"{c:>{w}s}" if i > 1 else f"{c:{w}s}" for i, (c, w) in enumerate(zip(cols, widths))
+    )
+    print(line)
+    print("-" * len(line))
     for mode, res in results.items():
         t = res["tests"]
-        collected = sum(d["collected"] for d in res["files"].values())
-        n = {o: sum(r["outcome"] == o for r in t.values()) for o in ("passed", "failed", "error")}
-        other = len(t) - n["passed"] - n["failed"] - n["error"]
-        env = sum(r.get("reason", "").startswith("environment") for r in t.values())
+        ran = sum(d["collected"] for d in res["files"].values())
+        count = {o: sum(r["outcome"] == o for r in t.values()) for o in OUTCOMES}
+        failed = count["failed"] + count["error"]
+        also = sum(r.get("baseline") in ("failed", "error") for r in t.values())
+        other = len(t) - count["passed"] - failed - count["unfinished"]
+        row = [mode, res["replaced"], ran, len(t), count["passed"], failed, also, other]
+        row.append(count["unfinished"])
         print(
-            f"{mode:8s} {res['replaced']:12s} {collected:9d} {len(t):6d} {n['passed']:6d}"
-            f" {n['failed'] + n['error']:6d} {other:7d} {env:4d}"
+            " ".join(
+                f"{c:>{w}}" if i > 1 else f"{c:{w}s}" for i, (c, w) in enumerate(zip(row, widths))
+            )
         )
+    print(
+        "\nran: tests run from the files (tests that cannot build the ELBO are deselected);"
+        "\nbuilt: tests that built the substituted ELBO; also-pyro: failures that fail with"
+        "\nPyro's own class too; unfin: tests cut off by the per-file --timeout."
+    )
+    timed_out = [
+        f"{mode}:{f}"
+        for mode, res in results.items()
+        for f, d in res["files"].items()
+        if d["rc"] == "timeout"
+    ]
+    if timed_out:
+        print(f"timed out (raise --timeout): {', '.join(timed_out)}")
     for mode, res in results.items():
         t = res["tests"]
         fails = {k: v for k, v in t.items() if v["outcome"] in ("failed", "error")}
@@ -292,8 +333,6 @@ def main(argv=None) -> int:
             f"\n{mode}: {n_ok} of the {len(t)} tests that build {res['replaced']} pass"
             f" ({res['label']})."
         )
-        if not fails:
-            continue
         order = sorted(
             fails.items(),
             key=lambda kv: (
@@ -309,7 +348,7 @@ def main(argv=None) -> int:
                 print(f"  -- {reason}")
             where = r.get("package_frame") or r.get("raised_at") or ""
             msg = r.get("message", "")
-            detail = f"{r.get('exc_type', r['outcome'])}: {msg[:160]}" if msg else r.get("exc_type")
+            detail = f"{r.get('exc_type', r['outcome'])}: {msg[:160]}"
             print(f"     {nodeid}")
             print(f"         {detail}  [{where}] (Pyro's class: {r.get('baseline', '?')})")
     if args.json:
