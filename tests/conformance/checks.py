@@ -239,8 +239,18 @@ def _hand(c: Cell, model, guide, rws: bool):
     L = torch.logsumexp(log_w, 0) - math.log(K)
     loss = -(s * L.sum()).item()
     if rws:
+        # wake-phi holds the samples fixed: a Delta's log_density (a Jacobian term, a
+        # function of the guide's draws) has no gradient then. Pyro's ReweightedWakeSleep
+        # detaches the values only, so its log_density keeps the draws' pathwise graph.
+        log_q_phi = (
+            sum(
+                torch_sum(x["log_prob"].detach() if _is_delta(x["fn"]) else x["log_prob"], dims)
+                for x in gsites
+            )
+            / s
+        )
         wt = torch.softmax(log_w.detach(), 0)
-        surrogate = s * (L.sum() + (wt * log_q).sum())
+        surrogate = s * (L.sum() + (wt * log_q_phi).sum())
     else:
         score = 0.0
         for x in gsites:
@@ -251,6 +261,26 @@ def _hand(c: Cell, model, guide, rws: bool):
         if torch.is_tensor(score):
             surrogate = surrogate + s * (L.detach() * score.sum(0)).sum()
     return loss, surrogate
+
+
+def _is_delta(fn) -> bool:
+    from pyro_gradroute.distributions import is_delta
+
+    return is_delta(fn)
+
+
+def _has_delta_density(c: Cell) -> bool:
+    """Whether a guide site is a Delta whose log_density carries a gradient (a Jacobian term)."""
+    with pyro.poutine.block():
+        tr = pyro.poutine.trace(c.guide).get_trace(*c.args)
+    for x in tr.nodes.values():
+        if x["type"] == "sample" and _is_delta(x["fn"]):
+            d = x["fn"]
+            while not hasattr(d, "log_density"):
+                d = d.base_dist
+            if torch.is_tensor(d.log_density) and d.log_density.requires_grad:
+                return True
+    return False
 
 
 def _has_dependent_plates(c: Cell) -> bool:
@@ -282,7 +312,7 @@ def reference_grad(c: Cell, est: str, seed: int, model, guide) -> torch.Tensor:
         ]
     rws = est == "RWS"
     hand = c.case.outer_scale is not None or (
-        c.case.score_guide if not rws else _has_dependent_plates(c)
+        c.case.score_guide if not rws else (_has_dependent_plates(c) or _has_delta_density(c))
     )
     if hand:
 
