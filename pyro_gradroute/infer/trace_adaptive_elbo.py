@@ -557,7 +557,11 @@ class TraceAdaptiveDReG_ELBO(_AdaptiveMixin, TraceDReG_ELBO):
         ['w']
 
     Arguments are :class:`TraceDReG_ELBO`'s plus ``decay``, ``clip``, ``warmup``,
-    ``center`` and ``distributed`` (see :class:`TraceAdaptiveSTL_ELBO`).
+    ``center`` and ``distributed`` (see :class:`TraceAdaptiveSTL_ELBO`). ``clip``
+    defaults to 2 here: far from the posterior the importance weights are nearly
+    one-hot, the products are heavy-tailed, and unclipped estimates of :math:`b` reach
+    the thousands (measured at 8 posterior sds: 22x IWAE's variance unclipped, 1.0x
+    clipped at 2).
     """
 
     def __init__(
@@ -566,7 +570,7 @@ class TraceAdaptiveDReG_ELBO(_AdaptiveMixin, TraceDReG_ELBO):
         vectorize_particles: bool = True,
         *,
         decay: float = 0.99,
-        clip: float | None = None,
+        clip: float | None = 2.0,
         warmup: int = 10,
         center: bool = True,
         distributed: bool | None = None,
