@@ -38,6 +38,18 @@ ESTIMATORS: dict[str, tuple[str, str, dict, str]] = {
         {"alpha": None},
         "Renyi bound of order --alpha, doubly reparameterized",
     ),
+    "adaptive": (
+        "pyro_gradroute.infer",
+        "TraceAdaptiveSTL_ELBO",
+        {},
+        "ELBO, STL plus a learned control variate on the score part",
+    ),
+    "adaptive-dreg": (
+        "pyro_gradroute.infer",
+        "TraceAdaptiveDReG_ELBO",
+        {},
+        "IWAE bound, DReG/IWAE guide gradients mixed by a learned weight",
+    ),
     "enum": ("pyro.infer", "TraceEnum_ELBO", {}, "ELBO, enumerated discrete sites (Pyro's)"),
     "enum-stl": (
         "pyro.infer",
