@@ -302,8 +302,22 @@ def flow_rule(transform) -> Callable | None:
 
 
 # ----------------------------------------------------------------------------- built-in rules
-def _params(t):
-    p = t._params() if callable(t._params) else t._params
+def _attr(m, name):
+    """``m.name`` without ``PyroModule.__getattr__`` (a param-store look-up per access)."""
+    if isinstance(m, torch.nn.Module):
+        d = m.__dict__
+        for reg in ("_parameters", "_buffers", "_modules"):
+            if name in d[reg]:
+                return d[reg][name]
+    return getattr(m, name)
+
+
+def _params(t, names):
+    """The (detached) parameters of a Planar/Radial transform: its own, or its conditioned ones."""
+    if isinstance(t, torch.nn.Module) and all(n in t.__dict__["_parameters"] for n in names):
+        p = tuple(_attr(t, n) for n in names)
+    else:
+        p = t._params() if callable(t._params) else t._params
     return tuple(v.detach() if torch.is_tensor(v) else v for v in p)
 
 
@@ -405,7 +419,7 @@ def _planar(layer, g):
     # y = x + u_hat tanh(w.x + b):  J = I + u_hat psi^T, psi = tanh'(a) w
     t = layer.transform
     with torch.no_grad():
-        bias, u, w = _params(t)
+        bias, u, w = _params(t, ("bias", "u", "w"))
         x = layer.x
         act = torch.tanh(_dot(w, x) + bias)
         dact = 1 - act * act
@@ -430,7 +444,7 @@ def _radial(layer, g):
     t = layer.transform
     r_ = g - layer.vjp()
     with torch.no_grad():
-        x0, alpha_prime, beta_prime = _params(t)
+        x0, alpha_prime, beta_prime = _params(t, ("x0", "alpha_prime", "beta_prime"))
         alpha = F.softplus(alpha_prime)
         beta = -alpha + F.softplus(beta_prime)
         z = layer.x - x0
@@ -455,10 +469,18 @@ def _sylvester(layer, g):
     r_ = g - layer.vjp()
     with torch.no_grad():
         x = layer.x
-        Q = t.Q(x)
-        A = Q @ t.R()
-        B = t.S() @ Q.t()
-        dact = 1 - torch.tanh(x @ B + t.b).pow(2)
+        u = _attr(t, "u_unnormed")
+        u = u / torch.linalg.norm(u, ord=2, dim=-1, keepdim=True)
+        eye = torch.eye(x.size(-1), dtype=x.dtype, device=x.device)
+        Q = eye - 2.0 * torch.outer(u[0], u[0])
+        for k in range(1, u.size(-2)):
+            Q = Q @ (eye - 2.0 * torch.outer(u[k], u[k]))
+        mask = _attr(t, "triangular_mask")
+        R = _attr(t, "R_dense") * mask + torch.diag(torch.tanh(_attr(t, "R_diag")))
+        S = _attr(t, "S_dense") * mask + torch.diag(torch.tanh(_attr(t, "S_diag")))
+        A = Q @ R
+        B = S @ Q.t()
+        dact = 1 - torch.tanh(x @ B + _attr(t, "b")).pow(2)
         M = (B * dact.unsqueeze(-2)) @ A
         M = M + torch.eye(M.size(-1), dtype=M.dtype, device=M.device)
         return torch.linalg.solve(M, r_.unsqueeze(-1)).squeeze(-1)
@@ -488,6 +510,7 @@ def triangular_solve(
     log_diag: torch.Tensor,
     depth: int | None = None,
     slack: int = 0,
+    F: Callable[[torch.Tensor | None], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     r"""Solve :math:`J^T g_y = g - \nabla_x \log|\det J|` for a triangular :math:`J` (any variable order).
 
@@ -501,6 +524,8 @@ def triangular_solve(
     :param log_diag: :math:`\log \operatorname{diag}(J)`, shaped like ``g``. Only the speed
         depends on it (the fixed point does not); ``slack`` extra iterations are allowed
         when it is approximate.
+    :param F: optional ``F(g) = J^T g + grad log|det J|`` (``F(None)``: the gradient alone);
+        default :meth:`FlowLayer.vjp`.
     :raises FlowSolveError: if not converged within ``max_iter`` iterations (default
         :math:`D`, plus ``slack``), or on a non-finite residual.
 
@@ -514,30 +539,35 @@ def triangular_solve(
         >>> gy.shape
         torch.Size([4])
     """
+    if F is None:
+        F = layer.vjp
     inv_diag = torch.exp(-log_diag)
     e = max(layer.event_dim, 1)
     n = 1
     for s in g.shape[g.dim() - e :]:
         n *= s
-    gy = (g - layer.vjp()) * inv_diag
+    gy = (g - F(None)) * inv_diag
     it = 1
     if depth is not None:
         for _ in range(depth - 1):
-            gy = gy + (g - layer.vjp(gy)) * inv_diag
+            gy = gy + (g - F(gy)) * inv_diag
         return gy
     rtol = _rtol(g.dtype)
     floor = torch.finfo(g.dtype).eps ** 0.5
     limit = _SETTINGS.max_iter or n + slack
-    flat = lambda t: t.reshape(t.shape[: t.dim() - e] + (-1,))  # noqa: E731
+    tiny = torch.finfo(g.dtype).tiny
     residual, prev = float("inf"), float("inf")
     while True:
-        delta = (g - layer.vjp(gy)) * inv_diag
+        delta = (g - F(gy)).mul_(inv_diag)
         gy = gy + delta
         it += 1
-        dn = flat(delta).abs().amax(-1)
-        gn = flat(gy).abs().amax(-1)
-        residual = float((dn / gn.clamp_min(torch.finfo(gn.dtype).tiny)).max())
-        if bool((dn <= rtol * gn).all()):
+        if e > 1:
+            dn = delta.reshape(delta.shape[: delta.dim() - e] + (-1,)).abs().amax(-1)
+            gn = gy.reshape(gy.shape[: gy.dim() - e] + (-1,)).abs().amax(-1)
+        else:
+            dn, gn = delta.abs().amax(-1), gy.abs().amax(-1)
+        residual = (dn / gn.clamp_min(tiny)).max().item()  # per sample, the worst
+        if residual <= rtol:
             break
         if residual <= floor and residual > 0.5 * prev:  # stalled at the round-off floor
             break
@@ -570,7 +600,78 @@ def _autoregressive_types():
     cost="k VJPs, k <= D (tolerance)",
 )
 def _affine_autoregressive(layer, g):
-    return triangular_solve(layer, g, layer.evaluated._cached_log_scale.detach())
+    return triangular_solve(
+        layer, g, layer.evaluated._cached_log_scale.detach(), F=_made_products(layer)
+    )
+
+
+def _made_products(layer):
+    r"""``F(g) = J^T g + grad ladj`` of an IAF over Pyro's ``AutoRegressiveNN`` with plain matmuls.
+
+    The network is re-run once on the detached input (keeping its pre-activations);
+    each product is then one masked matmul per layer, with no autograd call. None
+    (use :meth:`FlowLayer.vjp`) for other networks.
+    """
+    from pyro.nn import AutoRegressiveNN
+
+    t = layer.transform
+    arn = _attr(t, "arn")
+    if not isinstance(arn, AutoRegressiveNN) or type(arn).forward is not AutoRegressiveNN.forward:
+        return None
+    if arn.output_multiplier != 2 or not arn.all_ones:
+        return None
+    f = _attr(arn, "f")
+    relu = isinstance(f, torch.nn.ReLU)
+    layers = list(_attr(arn, "layers"))
+    x = layer.x
+    with torch.no_grad():
+        weights = [_attr(lay, "weight") * _attr(lay, "mask") for lay in layers]
+        biases = [_attr(lay, "bias") for lay in layers]
+        sk = _attr(arn, "skip_layer")
+        skip = None if sk is None else _attr(sk, "weight") * _attr(sk, "mask")
+        h, dacts = x, []
+        for b, w in zip(biases[:-1], weights[:-1]):
+            a = torch.nn.functional.linear(h, w, b)
+            if relu:
+                dacts.append((a > 0).to(a.dtype))
+                h = f(a)
+            else:
+                with torch.enable_grad():
+                    aa = a.detach().requires_grad_()
+                    ha = f(aa)
+                    (d,) = torch.autograd.grad(ha, aa, torch.ones_like(ha))
+                dacts.append(d)
+                h = ha.detach()
+        out = torch.nn.functional.linear(h, weights[-1], biases[-1])
+        if skip is not None:
+            out = out + torch.nn.functional.linear(x, skip)
+        mean, raw = out.reshape(out.shape[:-1] + (2, x.size(-1))).unbind(-2)
+        if t.stable:
+            sig = torch.sigmoid(raw + t.sigmoid_bias)
+            c_mean, c_lin, c_ladj = 1 - sig, sig * (1 - sig) * (x - mean), 1 - sig
+        else:
+            sig = torch.exp(raw.clamp(t.log_scale_min_clip, t.log_scale_max_clip))
+            c_mean, c_lin, c_ladj = torch.ones_like(x), sig * x, torch.ones_like(x)
+        # seeds of the network's outputs (mean, raw log-scale): g * coef + const
+        coef = torch.cat([c_mean, c_lin], dim=-1)
+        const = torch.cat([torch.zeros_like(x), c_ladj], dim=-1)
+
+    def arn_vjp(s_out):
+        v = s_out @ weights[-1]
+        for w, d in zip(reversed(weights[:-1]), reversed(dacts)):
+            v = (v * d) @ w
+        if skip is not None:
+            v = v + s_out @ skip
+        return v
+
+    def F(gy):
+        with torch.no_grad():
+            if gy is None:
+                return arn_vjp(const)
+            v = arn_vjp(torch.addcmul(const, torch.cat([gy, gy], dim=-1), coef))
+            return v.addcmul_(sig, gy)
+
+    return F
 
 
 def _spline_ar_types():

@@ -12,6 +12,7 @@ import torch
 from pyro.infer import RenyiELBO
 from pyro.infer import Trace_ELBO as PyroTrace_ELBO
 from pyro.infer import autoguide as ag
+from pyro.nn import AutoRegressiveNN
 from torch.distributions import constraints
 from torch.distributions.transforms import AffineTransform, SigmoidTransform, Transform
 
@@ -58,6 +59,11 @@ FLOWS = {
     "affine_autoregressive": lambda: [T.affine_autoregressive(D, hidden_dims=[16])],
     "affine_autoregressive_stable": lambda: [
         T.affine_autoregressive(D, hidden_dims=[16], stable=True)
+    ],
+    "affine_autoregressive_skip_tanh": lambda: [
+        T.AffineAutoregressive(
+            AutoRegressiveNN(D, [12, 12], skip_connections=True, nonlinearity=torch.nn.Tanh())
+        )
     ],
     "spline_autoregressive": lambda: [T.spline_autoregressive(D)],
     "householder": lambda: [T.householder(D, 3), T.affine_autoregressive(D)],
