@@ -4,7 +4,7 @@ Run: ``python benchmarks/bench_flows.py`` (add ``--quick`` for a short run, a fe
 
 (a) Per-step time of ``TraceSTL_ELBO`` over Pyro's ``Trace_ELBO`` (8 vectorized particles)
 and of ``TraceDReG_ELBO`` over Pyro's ``RenyiELBO(alpha=0)`` (IWAE, K=16), side by side
-(interleaved) in one process, one thread, on a D-dimensional Gaussian-means model
+(interleaved) in one process, one thread, CPU time, on a D-dimensional Gaussian-means model
 (``z ~ N(0, I_D)``, 20 observations ``x_i ~ N(z, I)``), for ``AutoIAFNormal``,
 ``AutoNormalizingFlow`` with ``affine_coupling``, two ``planar`` layers and one
 ``sylvester`` layer. The pathwise part of every flow is carried forward
@@ -22,15 +22,16 @@ from __future__ import annotations
 import argparse
 import functools
 import statistics
+import time
 
 import pyro
 import pyro.distributions as dist
 import pyro.distributions.transforms as T
 import torch
-from _common import print_table, time_interleaved
+from _common import print_table
 from pyro.infer import SVI, RenyiELBO
 from pyro.infer import Trace_ELBO as PyroTrace_ELBO
-from pyro.infer.autoguide import AutoIAFNormal, AutoNormalizingFlow
+from pyro.infer.autoguide import AutoDiagonalNormal, AutoIAFNormal, AutoNormalizingFlow
 
 from pyro_gradroute.distributions import flows
 from pyro_gradroute.infer import TraceDReG_ELBO, TraceSTL_ELBO
@@ -44,6 +45,7 @@ def means_model(x):
 
 
 GUIDES = {
+    "AutoDiagonalNormal (no flow: the split's own cost)": lambda m: AutoDiagonalNormal(m),
     "AutoIAFNormal": lambda m: AutoIAFNormal(m),
     "affine_coupling": lambda m: AutoNormalizingFlow(m, T.affine_coupling),
     "planar (2 layers)": lambda m: AutoNormalizingFlow(
@@ -53,6 +55,23 @@ GUIDES = {
         m, functools.partial(T.sylvester, count_transforms=2)
     ),
 }
+
+
+def time_interleaved(fns, rounds, warmup=3):
+    """Median CPU seconds (``time.process_time``) per call, calls interleaved round by round.
+
+    CPU time rather than wall time: on a shared machine other processes' load stays out.
+    """
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            t0 = time.process_time()
+            fn()
+            times[k].append(time.process_time() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def _steps(model, guide, args, elbos):
@@ -116,7 +135,7 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="fewer rounds and training steps")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    rounds = 15 if args.quick else 60
+    rounds = 20 if args.quick else 100
     rows = []
     for name in GUIDES:
         for D in (4, 16, 64):
@@ -124,7 +143,7 @@ def main(argv=None):
             rows.append((name, D, f"{stl:.2f}", f"{dreg:.2f}", f"{1e3 * base:.1f}"))
             print(*rows[-1], flush=True)
     print()
-    print("(a) step time, one thread, median of interleaved rounds")
+    print("(a) step time, one thread, median CPU time of interleaved rounds")
     print_table(
         rows, ("guide", "D", "STL/Trace (8 particles)", "DReG/IWAE (K=16)", "Trace ms/step")
     )
