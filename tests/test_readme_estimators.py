@@ -25,3 +25,10 @@ def test_dreg_snippet():
     (code,) = python_snippets("dreg")
     ns = run_snippet(code, "README dreg snippet")
     assert 10 < ns["loss"] / 128 < 60
+
+
+def test_stl_with_pyros_elbos_snippet_runs():
+    (code,) = python_snippets("stl-pyro")
+    ns = run_snippet(code, "stl-pyro snippet")
+    m = ns["pyro"].param("m").detach().sort().values
+    assert abs(m[0] + 3) < 0.7 and abs(m[1] - 3) < 0.7

@@ -108,6 +108,17 @@ class SplitBatch:
 
     def _evaluate(self) -> None:
         pending, self._pending = self._pending, []
+        # A Delta is no random draw: its value has no density gradient, and a log_density
+        # computed from earlier draws only is all pathwise (through their relays). It needs
+        # no split: the ordinary evaluation serves as both parts. (One that depends on
+        # parameters directly is refused by check_delta_density.)
+        deltas = [r for r in pending if delta_base(r.fn) is not None]
+        pending = [r for r in pending if delta_base(r.fn) is None]
+        for rec in deltas:
+            full = rec.fn.score_parts(rec.raw)
+            rec.parts = (full, full, full.log_prob)
+            if rec.stl:
+                check_delta_density(rec)
 
         def on_error(i, err):
             rec = pending[i]

@@ -82,6 +82,8 @@ class RoutedELBO(ELBO):
 
     _pathwise = None  # optional record -> bool: sites whose score_parts carry the pathwise gradient
 
+    _splits = True  # False: the estimator uses no split part (the guide runs as under Pyro)
+
     def _get_trace(self, model, guide, args, kwargs):
         return get_split_importance_trace(
             self.max_plate_nesting,
@@ -89,7 +91,7 @@ class RoutedELBO(ELBO):
             guide,
             args,
             kwargs,
-            needs_split=self._needs_split,
+            needs_split=self._needs_split if self._splits else False,
             fallback=self._split_fallback,
             pathwise=self._pathwise,
         )

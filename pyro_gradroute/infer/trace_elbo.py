@@ -40,8 +40,10 @@ class Trace_ELBO(RoutedELBO):
         >>> loss = svi.step(torch.randn(10))
     """
 
+    _splits = False  # only the ordinary log-densities: the guide runs exactly as under Pyro
+
     def _needs_split(self, site) -> bool:
-        return False  # only the ordinary log-density: evaluated as Pyro does
+        return False
 
     def _entropy_term(self, site):
         """The guide site's term whose gradient is taken pathwise (reparameterized sites)."""
@@ -50,16 +52,11 @@ class Trace_ELBO(RoutedELBO):
     def _particle_terms(self, model_trace, guide_trace, blocks=None) -> tuple[float, Terms]:
         elbo = 0.0
         terms: Terms = {}
-        costs = []  # (term key, plate stack, detached log-density): the pieces of log r, as Pyro's
-        stacks = get_plate_stacks(model_trace)
         for name, site in model_trace.nodes.items():
             if site["type"] == "sample":
                 elbo += torch_item(site["log_prob_sum"])
                 add_term(terms, ("model", name), site["log_prob_sum"])
-                costs.append((("model", name), stacks[name], site["log_prob"].detach()))
-                if not site["is_observed"]:
-                    guide_lp = guide_trace.nodes[name]["log_prob"].detach()
-                    costs.append((("guide", name), stacks[name], -guide_lp))
+        costs = None  # (term key, plate stack, detached log-density): the pieces of log r
         log_r = None
         for name, site in guide_trace.nodes.items():
             if site["type"] != "sample":
@@ -72,6 +69,8 @@ class Trace_ELBO(RoutedELBO):
             if is_identically_zero(score_function):
                 continue
             stack = site["cond_indep_stack"]
+            if costs is None:
+                costs = _costs(model_trace, guide_trace)
             if blocks:  # each cost's REINFORCE piece is a term of the cost site and of this one
                 for key, frames, cost in costs:
                     r = MultiFrameTensor((frames, cost)).sum_to(stack)
@@ -81,3 +80,17 @@ class Trace_ELBO(RoutedELBO):
                 log_r = MultiFrameTensor(*((f, c) for _, f, c in costs))
             add_term(terms, ("guide", name), (log_r.sum_to(stack) * score_function).sum())
         return elbo, terms
+
+
+def _costs(model_trace, guide_trace) -> list:
+    """The pieces of Pyro's ``log r`` (model minus guide log-densities, detached), keyed by site."""
+    costs = []
+    stacks = get_plate_stacks(model_trace)
+    for name, site in model_trace.nodes.items():
+        if site["type"] == "sample":
+            costs.append((("model", name), stacks[name], site["log_prob"].detach()))
+            if not site["is_observed"]:
+                costs.append(
+                    (("guide", name), stacks[name], -guide_trace.nodes[name]["log_prob"].detach())
+                )
+    return costs

@@ -69,6 +69,8 @@ class TraceSTL_ELBO(Trace_ELBO):
         >>> loss = svi.step(torch.randn(10))
     """
 
+    _splits = True
+
     def _needs_split(self, site) -> bool:
         return uses_pathwise(site)
 

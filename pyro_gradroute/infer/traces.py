@@ -13,6 +13,8 @@ evaluated once, and the estimators read the pathwise parts with
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from pyro import poutine
 from pyro.distributions.util import scale_and_mask
@@ -87,12 +89,14 @@ def get_split_importance_trace(
         the model replays (for instance with gradient-scaling nodes on the values, as
         :class:`~pyro_gradroute.infer.TraceDReG_ELBO` needs); default the guide trace.
     :param needs_split: optional ``record -> bool``: the guide sites whose split parts the
-        estimator uses, and ``fallback(record, error) -> bool`` for sites that cannot be
+        estimator uses (``False``: none, and the guide runs exactly as under Pyro's ELBOs), and ``fallback(record, error) -> bool`` for sites that cannot be
         split, and ``pathwise(record) -> bool`` for the sites whose ``score_parts`` carry
         the pathwise gradient (see :class:`~pyro_gradroute.distributions.split_distribution.SplitBatch`).
     :returns: ``(model_trace, guide_trace)`` with log-probabilities computed.
     """
     batch = SplitBatch(needs_split, fallback, pathwise)
+    # an estimator that splits no site (needs_split is False) runs the guide as Pyro does
+    splitting = SplitMessenger(batch) if needs_split is not False else contextlib.nullcontext()
     unwrapped_guide = poutine.unwrap(guide)
     if isinstance(unwrapped_guide, poutine.messenger.Messenger):
         if replay_values is not None:
@@ -101,11 +105,11 @@ def get_split_importance_trace(
                 "one particle; use a callable guide (e.g. AutoNormal instead of "
                 "AutoNormalMessenger)"
             )
-        with SplitMessenger(batch):
+        with splitting:
             guide(*args, **kwargs)
         model_trace, guide_trace = unwrapped_guide.get_traces()
     else:
-        with SplitMessenger(batch):
+        with splitting:
             guide_trace = poutine.trace(guide).get_trace(*args, **kwargs)
         replayed = guide_trace if replay_values is None else replay_values(guide_trace)
         model_trace = poutine.trace(poutine.replay(model, trace=replayed)).get_trace(

@@ -41,7 +41,9 @@ def _mask(p):
 
 
 def _mvn(p):
-    return dist.MultivariateNormal(p["loc"], scale_tril=p["tril"].tril(-1) + torch.diag(p["scale"].exp()))
+    return dist.MultivariateNormal(
+        p["loc"], scale_tril=p["tril"].tril(-1) + torch.diag(p["scale"].exp())
+    )
 
 
 def _lowrank(p):
@@ -55,7 +57,9 @@ def _transformed(p):
 
 def _transformed_param_transform(p):
     base = dist.Normal(torch.zeros(4), 1.0).to_event(1)
-    return dist.TransformedDistribution(base, [tT.AffineTransform(p["loc"], p["scale"].exp(), event_dim=1)])
+    return dist.TransformedDistribution(
+        base, [tT.AffineTransform(p["loc"], p["scale"].exp(), event_dim=1)]
+    )
 
 
 FAMILIES = {
@@ -199,7 +203,11 @@ def test_bad_input():
 
 def test_is_delta_unwraps():
     d = dist.Delta(torch.zeros(3), event_dim=1)
-    assert is_delta(d) and is_delta(d.expand([2, 3]).mask(True)) and is_delta(dist.Delta(torch.zeros(3)).to_event(1))
+    assert (
+        is_delta(d)
+        and is_delta(d.expand([2, 3]).mask(True))
+        and is_delta(dist.Delta(torch.zeros(3)).to_event(1))
+    )
     assert not is_delta(dist.Normal(0.0, 1.0))
 
 
@@ -253,8 +261,12 @@ def test_batched_split_equals_one_at_a_time():
 
 def test_transform_without_inverse_is_a_clear_error():
     from pyro_gradroute.distributions import SplitNotSupported
+    from tests.infer.test_stl import _NoRuleNoInverse
 
-    q = dist.TransformedDistribution(dist.Normal(torch.zeros(2), 1.0).to_event(1), [T.planar(2)])
+    s = torch.tensor(0.5, requires_grad=True)
+    q = dist.TransformedDistribution(
+        dist.Normal(torch.zeros(2), 1.0).to_event(1), [_NoRuleNoInverse(s)]
+    )
     z = q.rsample()
     with pytest.raises(SplitNotSupported, match="without an inverse"):
         split_log_prob(q, z)

@@ -149,7 +149,7 @@ def test_dreg_minibatch_all_site_plate_is_unbiased_for_the_full_data_bound():
     torch.set_default_dtype(torch.float64)
     model, guide, _ = _local()
     batch = torch.tensor([0, 2])
-    K, draws = 4, 1000
+    K, draws = 4, 500
     elbo = TraceDReG_ELBO(num_particles=K, max_plate_nesting=1)
     elbo.loss(model, guide, batch)  # initialise params
     params = [pyro.param("w").unconstrained(), pyro.param("s").unconstrained()]
@@ -190,7 +190,7 @@ def test_dreg_with_tensor_poutine_scale_is_unbiased_against_renyi():
         pyro.sample("g", dist.Normal(0.0, 1.0))
         model()
 
-    K, draws = 3, 1000
+    K, draws = 3, 500
     dreg = TraceDReG_ELBO(num_particles=K, max_plate_nesting=1)
     ren = RenyiELBO(alpha=0, num_particles=K, vectorize_particles=True, max_plate_nesting=1)
     ren.loss(model_g, guide)
