@@ -20,7 +20,9 @@ from collections.abc import Callable
 import torch
 
 
-def time_interleaved(fns: dict[str, Callable[[], object]], rounds: int, warmup: int = 3) -> dict[str, float]:
+def time_interleaved(
+    fns: dict[str, Callable[[], object]], rounds: int, warmup: int = 3
+) -> dict[str, float]:
     """Median seconds per call of each function, calls interleaved round by round."""
     for _ in range(warmup):
         for fn in fns.values():

@@ -22,8 +22,8 @@ import torch
 from _common import print_table, saved_tensor_bytes, time_interleaved
 from pyro.infer import SVI, RenyiELBO
 
-from pyro_gradroute.infer import TraceDReG_ELBO
 from pyro_gradroute.app.models.digits_vae import VAE, load_binarized_digits
+from pyro_gradroute.infer import TraceDReG_ELBO
 
 D = 20
 
@@ -57,7 +57,12 @@ def gaussian_snr(Ks, draws, seed=0, chunk=1000, perturbation=0.01, alpha=0.0):
     for K in Ks:
         snr = {}
         for name, elbo in (
-            ("IWAE", RenyiELBO(alpha=alpha, num_particles=K, vectorize_particles=True, max_plate_nesting=1)),
+            (
+                "IWAE",
+                RenyiELBO(
+                    alpha=alpha, num_particles=K, vectorize_particles=True, max_plate_nesting=1
+                ),
+            ),
             ("DReG", TraceDReG_ELBO(num_particles=K, alpha=alpha, max_plate_nesting=1)),
         ):
             gs = []
@@ -78,7 +83,10 @@ def vae_cost(K, batch_size, rounds):
     batch = train[:batch_size]
     steps = {}
     for name, elbo in (
-        ("IWAE", RenyiELBO(alpha=0, num_particles=K, vectorize_particles=True, max_plate_nesting=1)),
+        (
+            "IWAE",
+            RenyiELBO(alpha=0, num_particles=K, vectorize_particles=True, max_plate_nesting=1),
+        ),
         ("DReG", TraceDReG_ELBO(num_particles=K, max_plate_nesting=1)),
     ):
         vae = VAE()
@@ -90,14 +98,18 @@ def vae_cost(K, batch_size, rounds):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     pyro.set_rng_seed(0)
     print("Guide-gradient SNR (median over coordinates), Gaussian model D=20")
     draws = 2000 if args.quick else 20000
-    print(f"({draws} independent gradient draws per cell; the SNR estimate's noise floor is ~{(2 / 3.1416 / draws) ** 0.5:.3f})")
+    print(
+        f"({draws} independent gradient draws per cell; the SNR estimate's noise floor is ~{(2 / 3.1416 / draws) ** 0.5:.3f})"
+    )
     print_table(gaussian_snr([1, 10, 100, 1000], draws), ("K", "IWAE SNR", "DReG SNR"))
     print()
     print("Renyi bounds: RenyiELBO(alpha) vs TraceDReG_ELBO(alpha), same model, guide SNR")
@@ -107,12 +119,20 @@ def main(argv=None):
             rows.append((alpha, K, iw, dr))
     print_table(rows, ("alpha", "K", "Renyi SNR", "DReG SNR"))
     print()
-    print("DReG over RenyiELBO(alpha=0), digits VAE, batch 64 (targets: time <= 1.05, memory <= 1.02)")
+    print(
+        "DReG over RenyiELBO(alpha=0), digits VAE, batch 64 (targets: time <= 1.05, memory <= 1.02)"
+    )
     rows = []
     for K in (16, 64):
         t, m = vae_cost(K, 64, 10 if args.quick else 100)
         rows.append(
-            (K, f"{1e3 * t['IWAE']:.1f}", f"{1e3 * t['DReG']:.1f}", f"{t['DReG'] / t['IWAE']:.3f}", f"{m['DReG'] / m['IWAE']:.3f}")
+            (
+                K,
+                f"{1e3 * t['IWAE']:.1f}",
+                f"{1e3 * t['DReG']:.1f}",
+                f"{t['DReG'] / t['IWAE']:.3f}",
+                f"{m['DReG'] / m['IWAE']:.3f}",
+            )
         )
     print_table(rows, ("K", "IWAE ms/step", "DReG ms/step", "time ratio", "memory ratio"))
 

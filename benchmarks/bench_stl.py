@@ -28,16 +28,16 @@ from pyro.infer import Trace_ELBO as PyroTrace_ELBO
 from pyro.infer.autoguide import AutoNormal
 from torch.distributions import constraints
 
+from pyro_gradroute.app.models.digits_vae import VAE, load_binarized_digits
 from pyro_gradroute.infer import TraceSTL_ELBO
 from pyro_gradroute.poutine import stick_the_landing
-from pyro_gradroute.app.models.digits_vae import VAE, load_binarized_digits
 
 
 def _svi_steps(model, guide, args, elbos):
     out = {}
     for name, elbo in elbos.items():
         svi = SVI(model, guide, pyro.optim.Adam({"lr": 1e-3}), elbo)
-        out[name] = (lambda svi=svi: svi.step(*args))
+        out[name] = lambda svi=svi: svi.step(*args)
     return out
 
 
@@ -46,7 +46,12 @@ def bench_vae(rounds):
     train, _ = load_binarized_digits()
     vae = VAE()
     batch = train[:256]
-    steps = _svi_steps(vae.model, vae.guide, (batch,), {"Trace_ELBO": PyroTrace_ELBO(), "TraceSTL_ELBO": TraceSTL_ELBO()})
+    steps = _svi_steps(
+        vae.model,
+        vae.guide,
+        (batch,),
+        {"Trace_ELBO": PyroTrace_ELBO(), "TraceSTL_ELBO": TraceSTL_ELBO()},
+    )
     t = time_interleaved(steps, rounds)
     m = {k: saved_tensor_bytes(f) for k, f in steps.items()}
     return t, m
@@ -67,7 +72,10 @@ def bench_hierarchical(rounds, J=200):
     sigma = 1 + torch.rand(J, generator=g)
     guide = AutoNormal(hierarchical_model)
     steps = _svi_steps(
-        hierarchical_model, guide, (y, sigma), {"Trace_ELBO": PyroTrace_ELBO(), "TraceSTL_ELBO": TraceSTL_ELBO()}
+        hierarchical_model,
+        guide,
+        (y, sigma),
+        {"Trace_ELBO": PyroTrace_ELBO(), "TraceSTL_ELBO": TraceSTL_ELBO()},
     )
     t = time_interleaved(steps, rounds)
     m = {k: saved_tensor_bytes(f) for k, f in steps.items()}
@@ -110,10 +118,17 @@ def bench_enum_mixture(rounds, n=500):
 
     pyro.clear_param_store()
     g = torch.Generator().manual_seed(0)
-    data = torch.cat([torch.randn(n // 2, generator=g) - 2, torch.randn(n - n // 2, generator=g) + 2])
+    data = torch.cat(
+        [torch.randn(n // 2, generator=g) - 2, torch.randn(n - n // 2, generator=g) + 2]
+    )
     steps = {}
-    for name, gd in (("Trace_ELBO", mixture_guide), ("TraceSTL_ELBO", stick_the_landing(mixture_guide))):
-        svi = SVI(mixture_model, gd, pyro.optim.Adam({"lr": 1e-3}), TraceEnum_ELBO(max_plate_nesting=1))
+    for name, gd in (
+        ("Trace_ELBO", mixture_guide),
+        ("TraceSTL_ELBO", stick_the_landing(mixture_guide)),
+    ):
+        svi = SVI(
+            mixture_model, gd, pyro.optim.Adam({"lr": 1e-3}), TraceEnum_ELBO(max_plate_nesting=1)
+        )
         steps[name] = lambda svi=svi: svi.step(data)
     t = time_interleaved(steps, rounds)
     m = {k: saved_tensor_bytes(f) for k, f in steps.items()}
@@ -155,12 +170,21 @@ def variance_vs_distance(distances, draws, D=10, n=20):
                 elbo.loss_and_grads(model, guide)
                 gs.append(torch.cat([p.grad.reshape(-1) for p in store._params.values()]))
             var[name] = torch.stack(gs).var(0).sum().item()
-        rows.append((t, f"{var['Trace_ELBO']:.3g}", f"{var['TraceSTL_ELBO']:.3g}", f"{var['TraceSTL_ELBO'] / var['Trace_ELBO']:.3g}"))
+        rows.append(
+            (
+                t,
+                f"{var['Trace_ELBO']:.3g}",
+                f"{var['TraceSTL_ELBO']:.3g}",
+                f"{var['TraceSTL_ELBO'] / var['Trace_ELBO']:.3g}",
+            )
+        )
     return rows
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--quick", action="store_true", help="fewer rounds (noisier)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)

@@ -19,7 +19,9 @@ class NormalModel(torch.nn.Module):
     def __init__(self, dim: int):
         super().__init__()
         self.mu = torch.nn.Parameter(torch.zeros(dim))
-        self.log_sigma = torch.nn.Parameter(torch.zeros(dim))  # sigma = exp(log_sigma), rebuilt every call
+        self.log_sigma = torch.nn.Parameter(
+            torch.zeros(dim)
+        )  # sigma = exp(log_sigma), rebuilt every call
 
     def sample(self, n: int):
         """Return ``(z, log_prob, log_prob_detach)``: ``log_prob_detach = log q(stop(z); phi)``."""
@@ -44,12 +46,21 @@ def main(argv=None):
     ref = q.log_prob(z.detach())
     g_ours = torch.autograd.grad(log_prob_detach.mean(), [m.mu, m.log_sigma], retain_graph=True)
     g_ref = torch.autograd.grad(ref.mean(), [m.mu, m.log_sigma])
-    print("values equal:", torch.allclose(log_prob, log_prob_detach), torch.allclose(ref, log_prob_detach))
+    print(
+        "values equal:",
+        torch.allclose(log_prob, log_prob_detach),
+        torch.allclose(ref, log_prob_detach),
+    )
     for name, a, b in zip(("mu", "log_sigma"), g_ours, g_ref):
-        print(f"score-part gradient wrt {name}: {a.numpy().round(4)}  two-pass reference: {b.numpy().round(4)}")
+        print(
+            f"score-part gradient wrt {name}: {a.numpy().round(4)}  two-pass reference: {b.numpy().round(4)}"
+        )
         assert torch.allclose(a, b, atol=1e-6)
     # E_q[score gradient] = 0: the score part only adds variance (what STL removes)
-    print(f"|mean score-part gradient| over {len(z)} draws (-> 0 as draws grow):", [round(g.norm().item(), 4) for g in g_ours])
+    print(
+        f"|mean score-part gradient| over {len(z)} draws (-> 0 as draws grow):",
+        [round(g.norm().item(), 4) for g in g_ours],
+    )
 
 
 if __name__ == "__main__":

@@ -70,7 +70,9 @@ def fit(data, use_stl: bool, steps: int, seed: int):
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=1500)
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--smoke", action="store_true", help="a few-second run")
@@ -79,8 +81,12 @@ def main(argv=None) -> None:
         parser.error("--steps and --seeds must be at least 1")
     steps, seeds = (30, 1) if args.smoke else (args.steps, args.seeds)
     data = make_data(300, seed=0)
-    print(f"Gaussian mixture, {K} components, {len(data)} points, true locations {TRUE_LOCS.tolist()}")
-    print(f"{'seed':>4}  {'estimator':<26} {'final ELBO':>10} {'grad SNR':>9}  locations (mean +/- sd)")
+    print(
+        f"Gaussian mixture, {K} components, {len(data)} points, true locations {TRUE_LOCS.tolist()}"
+    )
+    print(
+        f"{'seed':>4}  {'estimator':<26} {'final ELBO':>10} {'grad SNR':>9}  locations (mean +/- sd)"
+    )
     for seed in range(seeds):
         for use_stl in (False, True):
             final, snr, m, s = fit(data, use_stl, steps, seed)

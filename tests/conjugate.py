@@ -57,7 +57,10 @@ class GaussianModel:
         D, s = self.D, self.s
         S0inv = torch.linalg.inv(self.S0)
         prior = -0.5 * (
-            D * math.log(2 * math.pi) + torch.logdet(self.S0) + torch.trace(S0inv @ S) + m @ S0inv @ m
+            D * math.log(2 * math.pi)
+            + torch.logdet(self.S0)
+            + torch.trace(S0inv @ S)
+            + m @ S0inv @ m
         )
         lik = -0.5 * (
             self.n * D * math.log(2 * math.pi * s**2)
@@ -139,7 +142,9 @@ def leaves():
 
 
 def flat_grad():
-    return torch.cat([p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel()) for _, p in leaves()])
+    return torch.cat(
+        [p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel()) for _, p in leaves()]
+    )
 
 
 def gradient_draws(elbo, model, guide, num_draws, *args):
@@ -159,7 +164,9 @@ def exact_gradient(neg_elbo_fn):
     """Gradient of a closed-form negative ELBO with respect to the param-store leaves."""
     ps = [p for _, p in leaves()]
     gs = torch.autograd.grad(neg_elbo_fn(), ps, allow_unused=True)
-    return torch.cat([torch.zeros(p.numel()) if g is None else g.reshape(-1) for g, p in zip(gs, ps)])
+    return torch.cat(
+        [torch.zeros(p.numel()) if g is None else g.reshape(-1) for g, p in zip(gs, ps)]
+    )
 
 
 # ---------------------------------------------------------------- a conditional (structured) guide
@@ -193,7 +200,9 @@ class HierarchicalModel:
         e1 = -0.5 * (log2pi + m1**2 + v11)
         e2 = -0.5 * (log2pi + (m2 - m1) ** 2 + v11 + v22 - 2 * v12)
         e3 = -0.5 * (log2pi + 2 * math.log(self.sx) + ((self.x - m2) ** 2 + v22) / self.sx**2)
-        h = 0.5 * torch.log(2 * math.pi * math.e * s1**2) + 0.5 * torch.log(2 * math.pi * math.e * s2**2)
+        h = 0.5 * torch.log(2 * math.pi * math.e * s1**2) + 0.5 * torch.log(
+            2 * math.pi * math.e * s2**2
+        )
         return e1 + e2 + e3 + h
 
 

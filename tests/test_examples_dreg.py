@@ -8,7 +8,10 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_iwae_dreg_digits_smoke():
     out = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "iwae_dreg_digits.py"), "--smoke"],
-        capture_output=True, text=True, timeout=300, cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
     )
     assert out.returncode == 0, out.stderr
     assert "paired DReG - IWAE" in out.stdout

@@ -7,11 +7,16 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("script", ["split_log_prob_gaussian.py", "stl_vae_digits.py", "stl_enumerated_mixture.py"])
+@pytest.mark.parametrize(
+    "script", ["split_log_prob_gaussian.py", "stl_vae_digits.py", "stl_enumerated_mixture.py"]
+)
 def test_example_smoke(script):
     out = subprocess.run(
         [sys.executable, str(ROOT / "examples" / script), "--smoke"],
-        capture_output=True, text=True, timeout=300, cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip()

@@ -296,4 +296,3 @@ def test_renyi_and_enumeration_estimators(name):
 
         make_elbo(name, num_particles=1, max_plate_nesting=0).loss_and_grads(model, guide)
         assert pyro.param("m").unconstrained().grad.abs().max() < 1e-12
-

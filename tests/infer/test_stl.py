@@ -78,7 +78,11 @@ def make_guide(kind, gm):
 
         def neg():
             post = guide.get_posterior()
-            cov = torch.diag(post.base_dist.scale**2) if kind == "AutoDiagonalNormal" else post.covariance_matrix
+            cov = (
+                torch.diag(post.base_dist.scale**2)
+                if kind == "AutoDiagonalNormal"
+                else post.covariance_matrix
+            )
             loc = post.base_dist.loc if kind == "AutoDiagonalNormal" else post.loc
             return -gm.elbo(loc, cov)
 
@@ -143,7 +147,10 @@ def _fit_exact(kind, gm):
         set_param("q_scale", cov.diagonal().sqrt())
     elif kind == "AutoNormal":
         set_param("AutoNormal.locs.z", mean.reshape(-1)[0] if gm.D == 1 else mean)
-        set_param("AutoNormal.scales.z", cov.diagonal().sqrt().reshape(-1)[0] if gm.D == 1 else cov.diagonal().sqrt())
+        set_param(
+            "AutoNormal.scales.z",
+            cov.diagonal().sqrt().reshape(-1)[0] if gm.D == 1 else cov.diagonal().sqrt(),
+        )
     elif kind == "AutoMultivariateNormal":
         L = torch.linalg.cholesky(cov)
         set_param("AutoMultivariateNormal.loc", mean)
@@ -367,7 +374,12 @@ def test_svi_and_elbo_module():
 
 def _planar_flow_setup():
     gm = GaussianModel(D=2)
-    guide = ag.AutoNormalizingFlow(gm.model, lambda dim: pyro.distributions.transforms.iterated(2, pyro.distributions.transforms.planar, dim))
+    guide = ag.AutoNormalizingFlow(
+        gm.model,
+        lambda dim: pyro.distributions.transforms.iterated(
+            2, pyro.distributions.transforms.planar, dim
+        ),
+    )
     guide(gm.x)
     return gm, guide
 
