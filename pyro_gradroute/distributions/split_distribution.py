@@ -25,6 +25,7 @@ from .split import (
     Relay,
     RelayGroup,
     SplitNotSupported,
+    _reached,
     delta_base,
     preimage_rsample,
     reaches_leaf_directly,
@@ -99,6 +100,8 @@ class SplitBatch:
 
     def parts(self, rec: SiteRecord) -> tuple:
         """``(full, pathwise, score)`` of a recorded site, evaluating the pending sites once."""
+        if rec.parts is None and rec.split and torch.jit.is_tracing():
+            rec.parts = _traced_split(rec)
         if rec.parts is None and rec.split:
             self._evaluate()
         if rec.parts is None:  # an ordinary evaluation
@@ -149,6 +152,38 @@ class SplitBatch:
         if rec.stl and rec.split:
             return ScoreParts(path.log_prob, full.score_function, path.entropy_term)
         return full
+
+
+def _traced_split(rec: SiteRecord) -> tuple:
+    """The split as plain tensor operations, for programs traced by the JIT.
+
+    Under ``torch.jit.trace`` (``JitTrace_ELBO`` and friends) the one-pass node cannot
+    be used: its backward reads the evaluated graph of the step it was built in, which a
+    traced program does not rebuild. Two evaluations give the same first derivatives:
+    ``pathwise = log q(z) - log q(stop(z)) + stop(log q(stop(z)))`` (the full gradient minus
+    the score part). That subtraction also removes the path through earlier samples, so a
+    conditional site (a density computed from earlier samples) raises instead.
+    """
+    full = rec.fn.score_parts(rec.raw)
+    v = rec.raw.detach()
+    score = rec.fn.score_parts(v)
+    if rec.upstream and _reached(score.log_prob, rec.upstream):
+        raise NotImplementedError(
+            f"guide site '{rec.name}': its density depends on earlier guide samples (a "
+            "conditional guide), whose pathwise path the split cannot keep inside a program "
+            "traced by the JIT. Use the non-JIT ELBO (Trace_ELBO, TraceGraph_ELBO, "
+            "TraceEnum_ELBO) with stick_the_landing, or pyro_gradroute.infer.TraceSTL_ELBO."
+        )
+
+    def path(f, s):
+        if not (torch.is_tensor(f) and f.requires_grad):
+            return _stop(f)
+        if not (torch.is_tensor(s) and s.requires_grad):
+            return f
+        return f - s + s.detach()
+
+    pathwise = ScoreParts(*(path(f, g) for f, g in zip(full, score)))
+    return full, pathwise, score.log_prob
 
 
 def check_delta_density(rec: SiteRecord) -> None:
@@ -228,14 +263,6 @@ class SplitDistribution(TorchDistribution):
         return self.base_dist.sample(sample_shape)
 
     def _record(self, value):
-        if torch.jit.is_tracing():
-            raise NotImplementedError(
-                f"guide site '{self.name}': the one-pass score/pathwise split cannot be traced by "
-                "the JIT (JitTrace_ELBO, JitTraceGraph_ELBO, JitTraceEnum_ELBO): its backward "
-                "reads the evaluated graph of each step, which a traced program does not rebuild. "
-                "Use the non-JIT ELBO (Trace_ELBO, TraceGraph_ELBO, TraceEnum_ELBO) with "
-                "stick_the_landing, or pyro_gradroute.infer.TraceSTL_ELBO."
-            )
         rec = self.batch.records.get(self.name)
         return rec if rec is not None and rec.value is value else None
 

@@ -192,19 +192,55 @@ def test_importance_weighted_elbos_raise(elbo_cls):
         elbo_cls(num_particles=2).loss(model, stick_the_landing(guide))
 
 
+JIT = [
+    (pinfer.JitTrace_ELBO, pinfer.Trace_ELBO),
+    (pinfer.JitTraceGraph_ELBO, pinfer.TraceGraph_ELBO),
+    (pinfer.JitTraceEnum_ELBO, pinfer.TraceEnum_ELBO),
+]
+
+
 @pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")
-@pytest.mark.parametrize(
-    "elbo_cls", [pinfer.JitTrace_ELBO, pinfer.JitTraceGraph_ELBO, pinfer.JitTraceEnum_ELBO]
-)
-def test_jit_elbos_raise_clearly(elbo_cls):
+@pytest.mark.parametrize("jit_cls, plain_cls", JIT, ids=[j.__name__ for j, _ in JIT])
+@pytest.mark.parametrize("offset", [0.0, 0.7], ids=["exact", "off"])
+def test_jit_elbos_equal_the_plain_ones(jit_cls, plain_cls, offset):
+    torch.set_default_dtype(torch.float64)
+    x = torch.tensor(X)
+    pm, ps = x.sum().item() / 4, 0.5
+
     def model():
-        pyro.sample("z", dist.Normal(0.0, 1.0))
+        loc = pyro.sample("loc", dist.Normal(0.0, 1.0))
+        with pyro.plate("data", 3):
+            pyro.sample("x", dist.Normal(loc, 1.0), obs=x)
 
     def guide():
-        pyro.sample("z", dist.Normal(pyro.param("m", torch.tensor(0.1)), 1.0))
+        m = pyro.param("m", torch.tensor(pm))
+        s = pyro.param("s", torch.tensor(ps), constraint=dist.constraints.positive)
+        pyro.sample("loc", dist.Normal(m + offset, s))
 
-    with pytest.raises(NotImplementedError, match="site 'z'.*JIT"):
-        elbo_cls().loss_and_grads(model, stick_the_landing(guide))
+    stl = stick_the_landing(guide)
+    jit, plain = jit_cls(max_plate_nesting=1), plain_cls(max_plate_nesting=1)
+    _grads(jit, model, stl, seed=0)  # the first call traces (and draws differently)
+    for seed in range(1, 4):
+        la, ga = _grads(jit, model, stl, seed=seed)
+        lb, gb = _grads(plain, model, stl, seed=seed)
+        assert la == pytest.approx(lb, rel=1e-12)
+        torch.testing.assert_close(_flat(ga), _flat(gb), rtol=1e-10, atol=1e-12)
+        if offset == 0.0:
+            assert _flat(ga).abs().max() < 1e-12  # the exact posterior: zero
+
+
+@pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")
+def test_jit_conditional_site_raises_clearly():
+    def model():
+        a = pyro.sample("a", dist.Normal(0.0, 1.0))
+        pyro.sample("b", dist.Normal(a, 1.0))
+
+    def guide():
+        a = pyro.sample("a", dist.Normal(pyro.param("m", torch.tensor(0.1)), 1.0))
+        pyro.sample("b", dist.Normal(pyro.param("w", torch.tensor(0.5)) * a, 1.0))
+
+    with pytest.raises(NotImplementedError, match="site 'b'.*JIT"):
+        pinfer.JitTrace_ELBO().loss_and_grads(model, stick_the_landing(guide))
 
 
 def test_no_reparameterized_site_warns():
