@@ -75,8 +75,8 @@ from typing import NamedTuple
 
 import torch
 from pyro.distributions.score_parts import ScoreParts
-from pyro.ops.provenance import detach_provenance, get_provenance, track_provenance
 from pyro.distributions.torch_distribution import TorchDistributionMixin
+from pyro.ops.provenance import detach_provenance, get_provenance, track_provenance
 from torch.distributions import Distribution, TransformedDistribution
 from torch.distributions.utils import _sum_rightmost
 
@@ -374,7 +374,7 @@ def _default_score_parts(fn) -> bool:
     return getattr(type(fn), "score_parts", None) is TorchDistributionMixin.score_parts
 
 
-def preimage_rsample(fn: Distribution, sample_shape=torch.Size()):
+def preimage_rsample(fn: Distribution, sample_shape=()):
     """``fn.rsample(sample_shape)`` and, for a ``TransformedDistribution``, its pre-image.
 
     Returns ``(value, pre)``: for a parameter-free ``TransformedDistribution`` ``pre``
@@ -384,6 +384,7 @@ def preimage_rsample(fn: Distribution, sample_shape=torch.Size()):
     intermediate values); otherwise ``None``. The same operations as
     ``TransformedDistribution.rsample``.
     """
+    sample_shape = torch.Size(sample_shape)
     if (
         isinstance(fn, TransformedDistribution)
         and _default_score_parts(fn)
