@@ -165,6 +165,9 @@ def _traced_split(rec: SiteRecord) -> tuple:
     conditional site (a density computed from earlier samples) raises instead.
     """
     full = rec.fn.score_parts(rec.raw)
+    if delta_base(rec.fn) is not None:  # all pathwise, as in the one-pass split
+        check_delta_density(rec)
+        return full, full, full.log_prob
     v = rec.raw.detach()
     score = rec.fn.score_parts(v)
     if rec.upstream and _reached(score.log_prob, rec.upstream):

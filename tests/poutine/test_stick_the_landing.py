@@ -343,3 +343,25 @@ def test_renyi_dreg_zero_at_exact_posterior(alpha):
 def test_alpha_one_is_an_error():
     with pytest.raises(ValueError, match="TraceSTL_ELBO"):
         TraceDReG_ELBO(alpha=1.0)
+
+
+@pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")
+def test_jit_with_autonormal_on_a_constrained_site_equals_the_plain_elbo():
+    from pyro.infer.autoguide import AutoNormal
+
+    torch.set_default_dtype(torch.float64)
+    y = torch.tensor([1.0, 3.0, 0.0, 2.0])
+
+    def model():
+        rate = pyro.sample("rate", dist.Gamma(2.0, 1.0))
+        with pyro.plate("obs", 4):
+            pyro.sample("y", dist.Poisson(rate), obs=y)
+
+    guide = stick_the_landing(AutoNormal(model))
+    jit, plain = pinfer.JitTrace_ELBO(), pinfer.Trace_ELBO()
+    _grads(jit, model, guide, seed=0)
+    for seed in range(1, 3):
+        la, ga = _grads(jit, model, guide, seed=seed)
+        lb, gb = _grads(plain, model, guide, seed=seed)
+        assert la == pytest.approx(lb, rel=1e-12)
+        torch.testing.assert_close(_flat(ga), _flat(gb), rtol=1e-10, atol=1e-12)
