@@ -315,7 +315,11 @@ def pytest_runtest_makereport(item, call):
             msg = str(exc).strip().splitlines()
             res["when"] = report.when
             res["exc_type"] = type(exc).__name__
-            res["message"] = (msg[0] if msg else "")[:300]
+            first = msg[0] if msg else ""
+            if first.endswith(":") and len(msg) > 1:  # a wrapper's header: add the cause
+                first = f"{first} {msg[1]}"
+            res["message"] = first[:300]
+            res["full_message"] = "\n".join(msg)[:2000]
             res["package_frame"] = _package_frame(call.excinfo)
             last = traceback.extract_tb(call.excinfo.tb)[-1]
             res["raised_at"] = f"{os.path.basename(last.filename)}:{last.lineno} in {last.name}"

@@ -89,14 +89,31 @@ KNOWN = [
     (
         {"stl"},
         "*",
-        r"ValueError: .*Delta whose log_density depends on the guide's parameters",
-        "documented limitation: STL refuses AutoStructured-style Delta sites (would be biased)",
+        r"(?s)ValueError: .*(Delta whose log_density depends|@ .*check_delta_density)",
+        "documented limitation: STL refuses guides whose Delta sites' log_density depends on"
+        " guide parameters directly (AutoGaussian, AutoStructured): dropping the score part"
+        " would bias the gradient",
     ),
     (
         {"stl"},
         "*",
         r"UserWarning: TraceSTL_ELBO: guide site .* cannot be split",
         "harness: Pyro's tests turn warnings into errors; STL's documented fallback warns",
+    ),
+    (
+        {"stl"},
+        "tests/infer/test_gradient.py::test_particle_gradient*-reparam*",
+        r"AssertionError",
+        "legitimate estimator difference: exact-value test of one sample's gradient, whose"
+        " expected value includes the zero-mean score term that STL drops",
+    ),
+    (
+        {"stl"},
+        "tests/infer/reparam/test_conjugate.py::test_*_elbo*",
+        r"AssertionError",
+        "legitimate estimator difference: the guide is the exact posterior and shares its"
+        " parameters with the model, where Trace_ELBO's gradient has zero variance; STL's"
+        " is unbiased but noisy, so 10000 particles miss rtol=0.01",
     ),
 ]
 
@@ -199,7 +216,8 @@ def mentions(path: Path, name: str) -> bool:
 
 
 def classify(mode: str, nodeid: str, res: dict) -> str:
-    text = f"{res.get('exc_type', '')}: {res.get('message', '')}"
+    text = f"{res.get('exc_type', '')}: {res.get('full_message', res.get('message', ''))}"
+    text += f" @ {res.get('package_frame') or ''}"
     for modes, pattern, regex, reason in KNOWN:
         if mode in modes and fnmatch.fnmatchcase(nodeid, pattern) and re.search(regex, text):
             return reason
