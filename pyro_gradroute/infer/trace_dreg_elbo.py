@@ -76,7 +76,8 @@ def _base(fn):
 
 def _same(a, b) -> bool:
     if torch.is_tensor(a) or torch.is_tensor(b):
-        a, b = torch.as_tensor(a), torch.as_tensor(b)
+        dev = a.device if torch.is_tensor(a) else b.device
+        a, b = torch.as_tensor(a, device=dev), torch.as_tensor(b, device=dev)
         a, b = torch.broadcast_tensors(a.to(b), b)
         return bool(torch.equal(a, b))
     return a == b
