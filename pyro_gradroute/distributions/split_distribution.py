@@ -205,7 +205,7 @@ def check_delta_density(rec: SiteRecord) -> None:
     if reaches_leaf_directly(d.log_density, rec.upstream):
         raise ValueError(
             f"guide site '{rec.name}' is a Delta whose log_density depends on the guide's "
-            "parameters directly (as AutoStructured's sites do), so its pathwise part at a "
+            "parameters directly (as AutoStructured's and AutoGaussian's sites do), so its pathwise part at a "
             "fixed value is not available and dropping the score part would bias the "
             "gradient. Use pyro_gradroute.infer.Trace_ELBO (or pyro.infer.RenyiELBO for an "
             "importance-weighted bound) with this guide, or a guide whose Deltas are "

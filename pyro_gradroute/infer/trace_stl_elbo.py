@@ -46,7 +46,7 @@ class TraceSTL_ELBO(Trace_ELBO):
     * ``Delta`` sites (AutoDelta, and the sites AutoContinuous guides unpack) have no
       random draw of their own: their value's gradient is the model's, and their
       ``log_density`` is taken pathwise through the draws it is computed from. A
-      ``log_density`` that depends on parameters directly (``AutoStructured``) is an
+      ``log_density`` that depends on parameters directly (``AutoStructured``, ``AutoGaussian``) is an
       error naming the site;
     * a site whose distribution cannot be split (a flow without an inverse, e.g.
       Planar) gets the ordinary gradient, with a warning naming it;
