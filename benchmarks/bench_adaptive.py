@@ -32,6 +32,7 @@ from pyro.infer import SVI, RenyiELBO
 from pyro.infer.autoguide import AutoNormal
 from torch.distributions import constraints
 
+from pyro_gradroute.app.models.digits_vae import VAE, load_binarized_digits
 from pyro_gradroute.infer import (
     Trace_ELBO,
     TraceAdaptiveDReG_ELBO,
@@ -39,7 +40,6 @@ from pyro_gradroute.infer import (
     TraceDReG_ELBO,
     TraceSTL_ELBO,
 )
-from pyro_gradroute.models.digits_vae import VAE, load_binarized_digits
 
 
 # ----------------------------------------------------------------------------- helpers

@@ -31,8 +31,6 @@ NO_EXAMPLES = {
     "pyro_gradroute.infer.elbo",
     "pyro_gradroute.infer.traces",
     "pyro_gradroute.app",
-    "pyro_gradroute.models",
-    "pyro_gradroute.models.digits_vae",
     "pyro_gradroute.app.plots",
     "pyro_gradroute.poutine",
 }

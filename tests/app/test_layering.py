@@ -9,8 +9,7 @@ import pyro_gradroute
 LIBRARY = sorted(
     m.name
     for m in pkgutil.walk_packages(pyro_gradroute.__path__, "pyro_gradroute.")
-    if not m.name.startswith(("pyro_gradroute.app", "pyro_gradroute.models"))
-    and not m.name.endswith("__main__")
+    if not m.name.startswith("pyro_gradroute.app") and not m.name.endswith("__main__")
 )
 
 
