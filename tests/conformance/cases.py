@@ -8,7 +8,8 @@ site's terms kept from one guide or model parameter), ``raises`` the estimators 
 ``optional``, may raise instead of being correct), with a pattern the message must contain (the
 site's name).
 
-Estimator keys (see ``checks.ESTIMATORS``): ``Trace``, ``STL``, ``DReG1`` (one particle),
+Estimator keys (see ``checks.ESTIMATORS``): ``Trace``, ``STL``, ``Adaptive``
+(``TraceAdaptiveSTL_ELBO``: raises where STL does), ``DReG1`` (one particle),
 ``DReGK`` (K particles, vectorized) and ``RWS`` (``ReweightedWakeSleepDReG(K)``).
 """
 
@@ -82,6 +83,9 @@ class Case:
         return self._has_exact
 
     def raise_for(self, est: str, routed: bool) -> Raises | None:
+        est = (
+            "STL" if est == "Adaptive" else est
+        )  # the adaptive estimator is STL plus a control variate
         if routed and est in self.routed_raises:
             return self.routed_raises[est]
         return self.raises.get(est)

@@ -38,18 +38,24 @@ from pyro.infer import Trace_ELBO as PyroTrace_ELBO
 from pyro.infer.util import get_dependent_plate_dims, torch_sum
 from pyro.poutine.messenger import Messenger
 
-from pyro_gradroute.infer import ReweightedWakeSleepDReG, Trace_ELBO, TraceDReG_ELBO, TraceSTL_ELBO
+from pyro_gradroute.infer import (
+    ReweightedWakeSleepDReG,
+    Trace_ELBO,
+    TraceAdaptiveSTL_ELBO,
+    TraceDReG_ELBO,
+    TraceSTL_ELBO,
+)
 from pyro_gradroute.poutine import block_grad
 
 from .cases import Case, Raises
 
-ESTIMATORS = ("Trace", "STL", "DReG1", "DReGK", "RWS")
+ESTIMATORS = ("Trace", "STL", "Adaptive", "DReG1", "DReGK", "RWS")
 K = 4  # particles of the importance-weighted estimators
 Z = 5.0  # standard errors
 FULL = os.environ.get("GRADROUTE_CONFORMANCE_FULL", "") not in ("", "0")
 MULT = 16 if FULL else 1
 #: gradient draws per estimator (Trace/STL draws each average ``case.particles`` vectorized particles)
-DRAWS = {"Trace": 8, "STL": 16, "DReG1": 32, "DReGK": 96, "RWS": 96}
+DRAWS = {"Trace": 8, "STL": 16, "Adaptive": 16, "DReG1": 32, "DReGK": 96, "RWS": 96}
 ZERO_TOL = 1e-6  # float64 round-off at the exact posterior
 
 
@@ -165,8 +171,8 @@ def scaled_pair(c: Cell, scale: float):
 def ours(est: str, case: Case):
     mpn = case.max_plate_nesting
     P = case.particles
-    if est in ("Trace", "STL"):
-        cls = Trace_ELBO if est == "Trace" else TraceSTL_ELBO
+    if est in ("Trace", "STL", "Adaptive"):
+        cls = {"Trace": Trace_ELBO, "STL": TraceSTL_ELBO, "Adaptive": TraceAdaptiveSTL_ELBO}[est]
         return cls(num_particles=P, vectorize_particles=P > 1, max_plate_nesting=mpn)
     if est == "DReG1":
         return TraceDReG_ELBO(num_particles=1, max_plate_nesting=mpn)
@@ -178,7 +184,7 @@ def ours(est: str, case: Case):
 
 
 def pyro_trace(est: str, case: Case):
-    P = case.particles if est in ("Trace", "STL") else 1
+    P = case.particles if est in ("Trace", "STL", "Adaptive") else 1
     return PyroTrace_ELBO(
         num_particles=P, vectorize_particles=P > 1, max_plate_nesting=case.max_plate_nesting
     )
@@ -294,7 +300,7 @@ def _has_dependent_plates(c: Cell) -> bool:
 def reference_loss(c: Cell, est: str, seed: int) -> float:
     model, guide = c.model, c.guide
     mpn = c.case.max_plate_nesting
-    if est in ("Trace", "STL", "DReG1"):
+    if est in ("Trace", "STL", "Adaptive", "DReG1"):
         return seeded(seed, lambda: pyro_trace(est, c.case).loss(model, guide, *c.args))
     if c.case.outer_scale:
         return seeded(seed, lambda: _hand(c, model, guide, rws=False)[0])
@@ -305,7 +311,7 @@ def reference_loss(c: Cell, est: str, seed: int) -> float:
 def reference_grad(c: Cell, est: str, seed: int, model, guide) -> torch.Tensor:
     """One draw of the reference gradient of the negative objective (same seed as ours)."""
     mpn = c.case.max_plate_nesting
-    if est in ("Trace", "STL", "DReG1"):
+    if est in ("Trace", "STL", "Adaptive", "DReG1"):
         elbo = pyro_trace(est, c.case)
         return seeded(seed, lambda: grad_of(c, lambda: elbo.loss_and_grads(model, guide, *c.args)))[
             1
@@ -526,7 +532,7 @@ def check_routed(case: Case, est: str) -> str | None:
             # With a score-function term the site's cost also reaches parameters through
             # another site's term: the per-term split is not "every path" there (the scaled-by-0
             # reference below is).
-            if not (case.score_guide and est in ("Trace", "STL", "DReG1")):
+            if not (case.score_guide and est in ("Trace", "STL", "Adaptive", "DReG1")):
                 naive = seeded(seed, lambda: _naive_routed(c, elbo, model, guide, block))
                 torch.testing.assert_close(
                     g,
@@ -535,7 +541,7 @@ def check_routed(case: Case, est: str) -> str | None:
                     atol=atol * 10,
                     msg=lambda m: f"{case.name}/{est}: routed != per-term naive\n{m}",
                 )
-            if est in ("Trace", "STL", "DReG1"):
+            if est in ("Trace", "STL", "Adaptive", "DReG1"):
                 full = seeded(
                     seed, lambda: grad_of(c, lambda: elbo.loss_and_grads(c.model, c.guide, *c.args))
                 )[1]
@@ -569,7 +575,7 @@ def cells(cases):
                     out.append((case, est, routed, "raises"))
                     continue
                 out.append((case, est, routed, "loss"))
-                if not routed or est in ("Trace", "STL", "DReG1"):
+                if not routed or est in ("Trace", "STL", "Adaptive", "DReG1"):
                     out.append((case, est, routed, "grad"))
                 if routed:
                     out.append((case, est, routed, "routed"))
