@@ -79,6 +79,11 @@ class EstimatorResult:
     heldout_ll_se: float = math.nan
     diverged_at: int | None = None
     fit_seconds: float = math.nan
+    #: adaptive estimators: ``(step, {param: mean control-variate weight b})`` along the fit
+    cv_weights: list = field(default_factory=list)
+    #: adaptive estimators: guide-gradient variance over the better of the two estimators it
+    #: mixes (STL and Trace_ELBO, or DReG and IWAE), all at its fitted parameters
+    variance_ratio: float = math.nan
 
     @property
     def diverged(self) -> bool:
@@ -161,6 +166,33 @@ def _say(msg: str, quiet: bool) -> None:
         print(msg, file=sys.stderr, flush=True)
 
 
+def _mean_weights(elbo, most: int = 3) -> dict[str, float]:
+    """The mean control-variate weight ``b`` of (at most ``most``) parameters."""
+    weights = elbo.control_variate_weights()
+    return {n: float(b.mean()) for n, b in list(weights.items())[:most]}
+
+
+def _guide_variance(stats) -> float:
+    names = stats.guide_params
+    if not names or stats.draws is None:
+        return math.nan
+    flat = torch.cat([stats.draws[n].reshape(stats.num_draws, -1) for n in names], 1)
+    return float(flat.var(0).sum())
+
+
+def _variance_ratio(name, p, stats, num_draws, seed, alpha) -> float:
+    """Guide-gradient variance of an adaptive estimator over the better of the two it mixes."""
+    bases = ("dreg", "iwae") if name == "adaptive-dreg" else ("stl", "trace")
+    variances = []
+    for base in bases:
+        elbo = make_elbo(base, p.num_particles, _plate_depth(p), alpha=alpha)
+        other = gradient_stats(p.model, p.guide, elbo, *p.args, num_draws=num_draws, seed=seed,
+                               keep_draws=True, **p.kwargs)  # fmt: skip
+        variances.append(_guide_variance(other))
+    best = min(variances)
+    return _guide_variance(stats) / best if best > 0 else math.nan
+
+
 def _run_one(build, name, seed, steps, lr, num_particles, snr_draws, num_samples, progress,
              quiet, alpha=0.5):  # fmt: skip
     pyro.clear_param_store()
@@ -188,6 +220,7 @@ def _run_one(build, name, seed, steps, lr, num_particles, snr_draws, num_samples
 
         bar = tqdm(bar, desc=f"{name:>6}", leave=True, dynamic_ncols=True, file=sys.stderr)
     times = []
+    cv_weights: list = []
     diverged = None
     t_fit = time.perf_counter()
     for _ in bar:
@@ -204,6 +237,8 @@ def _run_one(build, name, seed, steps, lr, num_particles, snr_draws, num_samples
         diverged = divergence_step(losses)
         if diverged is not None:
             break
+        if hasattr(elbo, "control_variate_weights") and len(losses) % max(1, steps // 50) == 0:
+            cv_weights.append((len(losses), _mean_weights(elbo)))
     if progress:
         bar.close()
     fit_seconds = time.perf_counter() - t_fit
@@ -217,6 +252,7 @@ def _run_one(build, name, seed, steps, lr, num_particles, snr_draws, num_samples
         train_loss_se=_se(tail),
         diverged_at=diverged,
         fit_seconds=fit_seconds,
+        cv_weights=cv_weights,
     )
     last = f"{losses[-1]:.5g}" if losses else "-"
     if diverged is not None:
@@ -229,6 +265,8 @@ def _run_one(build, name, seed, steps, lr, num_particles, snr_draws, num_samples
         p.model, p.guide, elbo, *p.args, num_draws=snr_draws, seed=seed, keep_draws=True,
         **p.kwargs,
     )  # fmt: skip
+    if hasattr(elbo, "control_variate_weights"):
+        result.variance_ratio = _variance_ratio(name, p, result.grads, snr_draws, seed, alpha)
     diag = p.diag_args if p.diag_args is not None else p.args
     result.idata = to_inference_data(
         p.model, p.guide, *diag, num_samples=num_samples, coords=p.coords, dims=p.dims,

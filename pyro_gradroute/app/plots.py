@@ -153,6 +153,32 @@ def _num_rows(idata, var_names) -> int:
     return max(1, sum(int(np.prod(post[v].shape[2:])) for v in names))
 
 
+def plot_control_variates(results, path: str) -> str | None:
+    """The adaptive estimators' mean control-variate weight ``b`` over training (None if none ran)."""
+    runs = [r for r in results if getattr(r, "cv_weights", None)]
+    if not runs:
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for r in runs:
+        steps = [s for s, _ in r.cv_weights]
+        for param in r.cv_weights[-1][1]:
+            ax.plot(
+                steps,
+                [w.get(param, float("nan")) for _, w in r.cv_weights],
+                label=f"{r.name}: {param}",
+            )
+    ax.axhline(0.0, color="grey", lw=0.5)
+    ax.axhline(1.0, color="grey", lw=0.5, ls="--")
+    ax.set_xlabel("SVI step")
+    ax.set_ylabel("mean weight b (0: STL/DReG, 1: Trace/IWAE)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
 def write_plots(results, out_dir: str, var_names=None) -> list[str]:
     """Write the three PNGs into ``out_dir`` (created) and return their paths (no forest plot
     when no fit finished)."""
@@ -161,5 +187,6 @@ def write_plots(results, out_dir: str, var_names=None) -> list[str]:
         plot_losses(results, os.path.join(out_dir, "loss_curves.png")),
         plot_snr(results, os.path.join(out_dir, "gradient_snr.png")),
         plot_forest(results, os.path.join(out_dir, "forest.png"), var_names),
+        plot_control_variates(results, os.path.join(out_dir, "control_variates.png")),
     ]
     return [p for p in paths if p is not None]

@@ -296,3 +296,26 @@ def test_renyi_and_enumeration_estimators(name):
 
         make_elbo(name, num_particles=1, max_plate_nesting=0).loss_and_grads(model, guide)
         assert pyro.param("m").unconstrained().grad.abs().max() < 1e-12
+
+
+def test_adaptive_estimator_prints_its_variance_reduction(tmp_path, capsys):
+    flags = ["--steps", "20", "--snr-draws", "3", "--samples", "20", "--no-progress"]
+    code = main(
+        [
+            "compare",
+            "--model",
+            "gaussian_means",
+            "--estimators",
+            "stl,adaptive",
+            *flags,
+            "--out",
+            str(tmp_path),
+        ]
+    )
+    out = capsys.readouterr().out
+    assert (
+        code == 0
+        and "adaptive: guide-gradient variance" in out
+        and "better of STL and Trace_ELBO" in out
+    )
+    assert (tmp_path / "control_variates.png").exists()

@@ -53,3 +53,21 @@ def test_forest_fallback_without_arviz_plotting(tmp_path, monkeypatch):
     monkeypatch.setattr(plots, "_arviz_forest", lambda *a: None)  # as on ArviZ 1.x
     path = plots.plot_forest(rows, str(tmp_path / "f.png"), ["mu", "theta"])
     assert (tmp_path / "f.png").read_bytes()[:4] == b"\x89PNG" and path.endswith("f.png")
+
+
+@pytest.mark.parametrize("name", ["adaptive", "adaptive-dreg"])
+def test_adaptive_estimators_report_weights_and_variance_reduction(name, tmp_path):
+    from pyro_gradroute.app.plots import write_plots
+
+    (r,) = compare_estimators(
+        "gaussian_means", [name], steps=30, snr_draws=4, num_samples=20, progress=False
+    )
+    assert r.cv_weights and all(math.isfinite(v) for _, w in r.cv_weights for v in w.values())
+    assert r.cv_weights[0][1] and all(v == 0 for v in r.cv_weights[0][1].values())  # warm-up: b = 0
+    assert math.isfinite(r.variance_ratio) and r.variance_ratio > 0
+    paths = write_plots([r], str(tmp_path))
+    assert any(p.endswith("control_variates.png") for p in paths)
+    (s,) = compare_estimators(
+        "gaussian_means", ["stl"], steps=2, snr_draws=2, num_samples=20, progress=False
+    )
+    assert not s.cv_weights and math.isnan(s.variance_ratio)
