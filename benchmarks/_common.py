@@ -57,3 +57,45 @@ def print_table(rows: list[tuple], header: tuple) -> None:
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     for r in [header, *rows]:
         print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)))
+
+
+def gaussian_problem(D: int = 10, n: int = 20):
+    """A conjugate Gaussian: ``z ~ N(0, I_D)``, ``n`` points ``x_i ~ N(z, I)``; a mean-field guide.
+
+    Returns ``(model, guide, post_mean, post_sd)``; the guide's family contains the exact
+    posterior ``N(post_mean, post_sd^2 I)``.
+    """
+    import pyro
+    import pyro.distributions as dist
+    from torch.distributions import constraints
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(n, D, generator=g) + 1
+
+    def model():
+        z = pyro.sample("z", dist.Normal(torch.zeros(D), 1.0).to_event(1))
+        with pyro.plate("data", n):
+            pyro.sample("x", dist.Normal(z, 1.0).to_event(1), obs=x)
+
+    post_sd = (1.0 / (1 + n)) ** 0.5
+    post_mean = x.sum(0) / (1 + n)
+
+    def guide():
+        loc = pyro.param("loc", post_mean.clone())
+        scale = pyro.param("scale", torch.full((D,), post_sd), constraint=constraints.positive)
+        pyro.sample("z", dist.Normal(loc, scale).to_event(1))
+
+    return model, guide, post_mean, post_sd
+
+
+def place_guide(guide, post_mean, post_sd, t: float) -> None:
+    """Fresh params with the guide ``t`` posterior sds off in mean and ``exp(t/2)`` in scale."""
+    import math
+
+    import pyro
+
+    pyro.clear_param_store()
+    guide()
+    with torch.no_grad():
+        pyro.param("loc").unconstrained().copy_(post_mean + t * post_sd)
+        pyro.param("scale").unconstrained().copy_(math.log(post_sd) + t / 2)  # unconstrained = log

@@ -21,16 +21,14 @@ from __future__ import annotations
 
 import argparse
 import copy
-import math
 import time
 
 import pyro
 import pyro.distributions as dist
 import torch
-from _common import print_table, saved_tensor_bytes, time_interleaved
+from _common import gaussian_problem, place_guide, print_table, saved_tensor_bytes, time_interleaved
 from pyro.infer import SVI, RenyiELBO
 from pyro.infer.autoguide import AutoNormal
-from torch.distributions import constraints
 
 from pyro_gradroute.app.models.digits_vae import VAE, load_binarized_digits
 from pyro_gradroute.infer import (
@@ -72,37 +70,12 @@ def total_var(g):
 
 
 # ----------------------------------------------------------------------------- (a)
-def gaussian_problem(D=10, n=20):
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(n, D, generator=g) + 1
-
-    def model():
-        z = pyro.sample("z", dist.Normal(torch.zeros(D), 1.0).to_event(1))
-        with pyro.plate("data", n):
-            pyro.sample("x", dist.Normal(z, 1.0).to_event(1), obs=x)
-
-    post_sd = (1.0 / (1 + n)) ** 0.5
-    post_mean = x.sum(0) / (1 + n)
-
-    def guide():
-        loc = pyro.param("loc", post_mean.clone())
-        scale = pyro.param("scale", torch.full((D,), post_sd), constraint=constraints.positive)
-        pyro.sample("z", dist.Normal(loc, scale).to_event(1))
-
-    return model, guide, post_mean, post_sd
-
-
 def variance_table(distances, n_draws, warmup=300, K=8, raw=None):
     """Variance ratios per distance; ``raw`` (a dict) also receives ``{distance: {estimator: variance}}``."""
     model, guide, post_mean, post_sd = gaussian_problem()
     rows = []
     for t in distances:
-        pyro.clear_param_store()
-        guide()
-        store = pyro.get_param_store()
-        with torch.no_grad():
-            store._params["loc"].copy_(post_mean + t * post_sd)
-            store._params["scale"].copy_(math.log(post_sd) + t / 2)  # unconstrained = log
+        place_guide(guide, post_mean, post_sd, t)
         v = {}
         for name, elbo in (
             ("trace", Trace_ELBO()),

@@ -17,12 +17,17 @@ by ``exp(t/2)``): STL/Trace variance ratio, which goes to 0 at the posterior.
 from __future__ import annotations
 
 import argparse
-import math
 
 import pyro
 import pyro.distributions as dist
 import torch
-from _common import print_table, saved_tensor_bytes, time_interleaved
+from _common import (
+    gaussian_problem,
+    place_guide,
+    print_table,
+    saved_tensor_bytes,
+    time_interleaved,
+)
 from pyro.infer import SVI
 from pyro.infer import Trace_ELBO as PyroTrace_ELBO
 from pyro.infer.autoguide import AutoNormal
@@ -33,28 +38,29 @@ from pyro_gradroute.infer import TraceSTL_ELBO
 from pyro_gradroute.poutine import stick_the_landing
 
 
-def _svi_steps(model, guide, args, elbos):
+def _svi_steps(model, args, runs):
+    """``{name: one SVI step}`` for ``runs = {name: (guide, elbo)}`` (Adam, lr 1e-3)."""
     out = {}
-    for name, elbo in elbos.items():
+    for name, (guide, elbo) in runs.items():
         svi = SVI(model, guide, pyro.optim.Adam({"lr": 1e-3}), elbo)
         out[name] = lambda svi=svi: svi.step(*args)
     return out
+
+
+def _measure(steps, rounds, memory=("Trace_ELBO", "TraceSTL_ELBO")):
+    """Interleaved step times and the graph memory of the ``memory`` candidates."""
+    return time_interleaved(steps, rounds), {k: saved_tensor_bytes(steps[k]) for k in memory}
 
 
 def bench_vae(rounds):
     pyro.clear_param_store()
     train, _ = load_binarized_digits()
     vae = VAE()
-    batch = train[:256]
-    steps = _svi_steps(
-        vae.model,
-        vae.guide,
-        (batch,),
-        {"Trace_ELBO": PyroTrace_ELBO(), "TraceSTL_ELBO": TraceSTL_ELBO()},
-    )
-    t = time_interleaved(steps, rounds)
-    m = {k: saved_tensor_bytes(f) for k, f in steps.items()}
-    return t, m
+    runs = {
+        "Trace_ELBO": (vae.guide, PyroTrace_ELBO()),
+        "TraceSTL_ELBO": (vae.guide, TraceSTL_ELBO()),
+    }
+    return _measure(_svi_steps(vae.model, (train[:256],), runs), rounds)
 
 
 def hierarchical_model(y, sigma):
@@ -65,37 +71,29 @@ def hierarchical_model(y, sigma):
         pyro.sample("obs", dist.Normal(theta, sigma), obs=y)
 
 
-def bench_hierarchical(rounds, J=200):
+def _hierarchical(J):
+    """Fresh param store, the data ``(y, sigma)`` and an initialised ``AutoNormal`` guide."""
     pyro.clear_param_store()
     g = torch.Generator().manual_seed(0)
-    y = 3 + 2 * torch.randn(J, generator=g)
-    sigma = 1 + torch.rand(J, generator=g)
+    args = (3 + 2 * torch.randn(J, generator=g), 1 + torch.rand(J, generator=g))
     guide = AutoNormal(hierarchical_model)
-    steps = _svi_steps(
-        hierarchical_model,
-        guide,
-        (y, sigma),
-        {"Trace_ELBO": PyroTrace_ELBO(), "TraceSTL_ELBO": TraceSTL_ELBO()},
-    )
-    t = time_interleaved(steps, rounds)
-    m = {k: saved_tensor_bytes(f) for k, f in steps.items()}
-    return t, m
+    guide(*args)
+    return args, guide
+
+
+def bench_hierarchical(rounds, J=200):
+    args, guide = _hierarchical(J)
+    runs = {"Trace_ELBO": (guide, PyroTrace_ELBO()), "TraceSTL_ELBO": (guide, TraceSTL_ELBO())}
+    return _measure(_svi_steps(hierarchical_model, args, runs), rounds)
 
 
 def bench_handler_hierarchical(rounds, J=200):
-    pyro.clear_param_store()
-    g = torch.Generator().manual_seed(0)
-    y = 3 + 2 * torch.randn(J, generator=g)
-    sigma = 1 + torch.rand(J, generator=g)
-    guide = AutoNormal(hierarchical_model)
-    guide(y, sigma)
-    steps = {}
-    for name, gd in (("Trace_ELBO", guide), ("TraceSTL_ELBO", stick_the_landing(guide))):
-        svi = SVI(hierarchical_model, gd, pyro.optim.Adam({"lr": 1e-3}), PyroTrace_ELBO())
-        steps[name] = lambda svi=svi: svi.step(y, sigma)
-    t = time_interleaved(steps, rounds)
-    m = {k: saved_tensor_bytes(f) for k, f in steps.items()}
-    return t, m
+    args, guide = _hierarchical(J)
+    runs = {
+        "Trace_ELBO": (guide, PyroTrace_ELBO()),
+        "TraceSTL_ELBO": (stick_the_landing(guide), PyroTrace_ELBO()),
+    }
+    return _measure(_svi_steps(hierarchical_model, args, runs), rounds)
 
 
 def bench_jit_hierarchical(rounds, J=200):
@@ -105,25 +103,16 @@ def bench_jit_hierarchical(rounds, J=200):
     from pyro.infer import JitTrace_ELBO
 
     warnings.filterwarnings("ignore", category=torch.jit.TracerWarning)
-    pyro.clear_param_store()
-    g = torch.Generator().manual_seed(0)
-    y = 3 + 2 * torch.randn(J, generator=g)
-    sigma = 1 + torch.rand(J, generator=g)
-    guide = AutoNormal(hierarchical_model)
-    guide(y, sigma)
-    steps = {}
-    for name, gd, elbo in (
-        ("Trace_ELBO", guide, JitTrace_ELBO()),
-        ("TraceSTL_ELBO", stick_the_landing(guide), JitTrace_ELBO()),
-        ("non-JIT", guide, PyroTrace_ELBO()),
-    ):
-        svi = SVI(hierarchical_model, gd, pyro.optim.Adam({"lr": 1e-3}), elbo)
-        steps[name] = lambda svi=svi: svi.step(y, sigma)
-    t = time_interleaved(steps, rounds)
+    args, guide = _hierarchical(J)
+    runs = {
+        "Trace_ELBO": (guide, JitTrace_ELBO()),
+        "TraceSTL_ELBO": (stick_the_landing(guide), JitTrace_ELBO()),
+        "non-JIT": (guide, PyroTrace_ELBO()),
+    }
+    t, m = _measure(_svi_steps(hierarchical_model, args, runs), rounds)
     print(
         f"JitTrace_ELBO / Trace_ELBO step time (hierarchical J={J}): {t['Trace_ELBO'] / t['non-JIT']:.3f}"
     )
-    m = {k: saved_tensor_bytes(steps[k]) for k in ("Trace_ELBO", "TraceSTL_ELBO")}
     return t, m
 
 
@@ -150,46 +139,21 @@ def bench_enum_mixture(rounds, n=500):
     data = torch.cat(
         [torch.randn(n // 2, generator=g) - 2, torch.randn(n - n // 2, generator=g) + 2]
     )
-    steps = {}
-    for name, gd in (
-        ("Trace_ELBO", mixture_guide),
-        ("TraceSTL_ELBO", stick_the_landing(mixture_guide)),
-    ):
-        svi = SVI(
-            mixture_model, gd, pyro.optim.Adam({"lr": 1e-3}), TraceEnum_ELBO(max_plate_nesting=1)
-        )
-        steps[name] = lambda svi=svi: svi.step(data)
-    t = time_interleaved(steps, rounds)
-    m = {k: saved_tensor_bytes(f) for k, f in steps.items()}
-    return t, m
+    runs = {
+        "Trace_ELBO": (mixture_guide, TraceEnum_ELBO(max_plate_nesting=1)),
+        "TraceSTL_ELBO": (stick_the_landing(mixture_guide), TraceEnum_ELBO(max_plate_nesting=1)),
+    }
+    return _measure(_svi_steps(mixture_model, (data,), runs), rounds)
 
 
-def variance_vs_distance(distances, draws, D=10, n=20):
+def variance_vs_distance(distances, draws):
     """Total gradient variance of STL and Trace_ELBO at guides ``t`` posterior-sds away."""
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(n, D, generator=g) + 1
-
-    def model():
-        z = pyro.sample("z", dist.Normal(torch.zeros(D), 1.0).to_event(1))
-        with pyro.plate("data", n):
-            pyro.sample("x", dist.Normal(z, 1.0).to_event(1), obs=x)
-
-    post_sd = (1.0 / (1 + n)) ** 0.5
-    post_mean = x.sum(0) / (1 + n)
-
-    def guide():
-        loc = pyro.param("loc", post_mean.clone())
-        scale = pyro.param("scale", torch.full((D,), post_sd), constraint=constraints.positive)
-        pyro.sample("z", dist.Normal(loc, scale).to_event(1))
+    model, guide, post_mean, post_sd = gaussian_problem()
 
     rows = []
     for t in distances:
-        pyro.clear_param_store()
-        guide()
+        place_guide(guide, post_mean, post_sd, t)
         store = pyro.get_param_store()
-        with torch.no_grad():
-            store._params["loc"].copy_(post_mean + t * post_sd)
-            store._params["scale"].copy_(math.log(post_sd) + t / 2)  # unconstrained = log
         var = {}
         for name, elbo in (("Trace_ELBO", PyroTrace_ELBO()), ("TraceSTL_ELBO", TraceSTL_ELBO())):
             gs = []

@@ -325,7 +325,8 @@ def _reached(tensor: torch.Tensor, candidates: Sequence[torch.Tensor]) -> list[i
 def _check_independent(ups: list[torch.Tensor]) -> None:
     """Raise if one of ``ups`` lies on another's graph (the product would count a path twice)."""
     for j, u in enumerate(ups):
-        below = _reached_below(u, [w for i, w in enumerate(ups) if i != j])
+        others = [w for i, w in enumerate(ups) if i != j]
+        below = [others[i] for i in _reached(u, others)]
         if below:
             raise ValueError(
                 "split_log_probs: an upstream tensor depends on another one (shape "
@@ -335,29 +336,6 @@ def _check_independent(ups: list[torch.Tensor]) -> None:
                 "drawn through pyro_gradroute.distributions.Relay cut points, or use the "
                 "package's ELBOs, which insert them."
             )
-
-
-def _reached_below(u: torch.Tensor, others: list[torch.Tensor]) -> list[torch.Tensor]:
-    if u.grad_fn is None:
-        return []
-    idx = _reached_from(u.grad_fn, others)
-    return [others[i] for i in idx]
-
-
-def _reached_from(root, candidates):
-    targets = {c.grad_fn: i for i, c in enumerate(candidates) if c.grad_fn is not None}
-    hit, seen, stack = [], {root}, [f for f, _ in root.next_functions if f is not None]
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        i = targets.get(node)
-        if i is not None:
-            hit.append(i)
-            continue
-        stack.extend(f for f, _ in node.next_functions if f is not None and f not in seen)
-    return hit
 
 
 # ----------------------------------------------------------------------------- evaluation
@@ -429,9 +407,8 @@ def _transformed_log_prob(fn: TransformedDistribution, x: torch.Tensor) -> torch
         log_prob = log_prob - _sum_rightmost(ladj, event_dim - t.codomain.event_dim)
         y = y_next
     base_event = len(fn.base_dist.event_shape)
-    in_event = fn.transforms[0].domain.event_dim if fn.transforms else base_event
     base_lp = fn.base_dist.log_prob(x)
-    return log_prob + _sum_rightmost(base_lp, event_dim - base_event + 0 * in_event)
+    return log_prob + _sum_rightmost(base_lp, event_dim - base_event)
 
 
 def _evaluate(fn: Distribution, value: torch.Tensor, preimage, grad_mode: bool):
@@ -711,13 +688,4 @@ def is_delta(fn: Distribution) -> bool:
     A Delta's value is a deterministic function of other samples or of parameters;
     it is not a random draw.
     """
-    from pyro.distributions import Delta
-    from pyro.distributions.torch_distribution import (
-        ExpandedDistribution,
-        MaskedDistribution,
-    )
-    from torch.distributions import Independent
-
-    while isinstance(fn, (Independent, ExpandedDistribution, MaskedDistribution)):
-        fn = fn.base_dist
-    return isinstance(fn, Delta)
+    return delta_base(fn) is not None

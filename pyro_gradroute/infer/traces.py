@@ -58,15 +58,6 @@ def site_parts(site):
     return site["score_parts"], path.scale_and_mask(site["scale"], site["mask"])
 
 
-def site_upstream(site) -> list:
-    """The relay outputs (earlier guide samples) recorded before this guide site."""
-    fn = site["fn"]
-    if not isinstance(fn, SplitDistribution):
-        return []
-    rec = fn.batch.records.get(site["name"])
-    return rec.upstream if rec is not None else []
-
-
 def scaled(site, t):
     """``t`` scaled and masked like ``site``'s log-density."""
     return scale_and_mask(t, site["scale"], site["mask"])

@@ -60,6 +60,24 @@ def normal_with_discrete(exact=True):
     return model, guide
 
 
+def normal_loc(offset=0.0):
+    """loc ~ N(0, 1), three N(loc, 1) points; a Normal guide at the exact posterior (+ ``offset``)."""
+    x = torch.tensor(X)
+    pm, ps = x.sum().item() / 4, 0.5
+
+    def model():
+        loc = pyro.sample("loc", dist.Normal(0.0, 1.0))
+        with pyro.plate("data", 3):
+            pyro.sample("x", dist.Normal(loc, 1.0), obs=x)
+
+    def guide():
+        m = pyro.param("m", torch.tensor(pm))
+        s = pyro.param("s", torch.tensor(ps), constraint=dist.constraints.positive)
+        pyro.sample("loc", dist.Normal(m + offset, s))
+
+    return model, guide
+
+
 def mixture():
     data = torch.tensor([-2.1, -1.8, -2.4, 1.9, 2.2, 2.5])
 
@@ -146,18 +164,7 @@ def test_tracegraph_stl_with_a_discrete_site_upstream_is_unbiased():
 )
 def test_gradient_is_zero_at_exact_posterior(elbo_cls):
     torch.set_default_dtype(torch.float64)
-    x = torch.tensor(X)
-    pm, ps = x.sum().item() / 4, 0.5
-
-    def model():
-        loc = pyro.sample("loc", dist.Normal(0.0, 1.0))
-        with pyro.plate("data", 3):
-            pyro.sample("x", dist.Normal(loc, 1.0), obs=x)
-
-    def guide():
-        m = pyro.param("m", torch.tensor(pm))
-        s = pyro.param("s", torch.tensor(ps), constraint=dist.constraints.positive)
-        pyro.sample("loc", dist.Normal(m, s))
+    model, guide = normal_loc()
 
     for seed in range(3):
         _, g = _grads(elbo_cls(max_plate_nesting=1), model, stick_the_landing(guide), seed=seed)
@@ -166,17 +173,7 @@ def test_gradient_is_zero_at_exact_posterior(elbo_cls):
 
 def test_mean_field_keeps_the_analytic_kl():
     torch.set_default_dtype(torch.float64)
-    model, guide = normal_with_discrete(exact=False)
-
-    x = torch.tensor(X)
-
-    def model_c():  # no discrete site
-        loc = pyro.sample("loc", dist.Normal(0.0, 1.0))
-        with pyro.plate("data", 3):
-            pyro.sample("x", dist.Normal(loc, 1.0), obs=x)
-
-    def guide_c():
-        pyro.sample("loc", dist.Normal(pyro.param("m", torch.tensor(0.9)), 0.5))
+    model_c, guide_c = normal_loc(offset=0.5)  # away from the posterior: the KL has a gradient
 
     elbo = pinfer.TraceMeanField_ELBO(max_plate_nesting=1)
     for seed in range(3):
@@ -204,18 +201,7 @@ JIT = [
 @pytest.mark.parametrize("offset", [0.0, 0.7], ids=["exact", "off"])
 def test_jit_elbos_equal_the_plain_ones(jit_cls, plain_cls, offset):
     torch.set_default_dtype(torch.float64)
-    x = torch.tensor(X)
-    pm, ps = x.sum().item() / 4, 0.5
-
-    def model():
-        loc = pyro.sample("loc", dist.Normal(0.0, 1.0))
-        with pyro.plate("data", 3):
-            pyro.sample("x", dist.Normal(loc, 1.0), obs=x)
-
-    def guide():
-        m = pyro.param("m", torch.tensor(pm))
-        s = pyro.param("s", torch.tensor(ps), constraint=dist.constraints.positive)
-        pyro.sample("loc", dist.Normal(m + offset, s))
+    model, guide = normal_loc(offset)
 
     stl = stick_the_landing(guide)
     jit, plain = jit_cls(max_plate_nesting=1), plain_cls(max_plate_nesting=1)
