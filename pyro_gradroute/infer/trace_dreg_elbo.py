@@ -181,6 +181,12 @@ class TraceDReG_ELBO(RoutedELBO):
                 "TraceDReG_ELBO: alpha=1 is the ELBO itself (the Renyi bound's limit), for which "
                 "the doubly-reparameterized gradient is sticking the landing: use TraceSTL_ELBO."
             )
+        if not math.isfinite(float(alpha)):
+            raise ValueError(f"TraceDReG_ELBO: alpha must be a finite number, got {alpha}")
+        if not (isinstance(num_particles, int) and num_particles >= 1):
+            raise ValueError(
+                f"{type(self).__name__}: num_particles must be an integer >= 1, got {num_particles!r}"
+            )
         self.alpha = float(alpha)
         if num_particles > 1 and not vectorize_particles:
             raise ValueError(

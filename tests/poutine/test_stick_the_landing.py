@@ -331,6 +331,18 @@ def test_alpha_one_is_an_error():
         TraceDReG_ELBO(alpha=1.0)
 
 
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"alpha": float("nan")}, "alpha must be a finite"),
+        ({"num_particles": 0}, "num_particles must be an integer >= 1"),
+    ],
+)
+def test_bad_arguments_are_clear_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        TraceDReG_ELBO(**kwargs)
+
+
 @pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")
 def test_jit_with_autonormal_on_a_constrained_site_equals_the_plain_elbo():
     from pyro.infer.autoguide import AutoNormal
