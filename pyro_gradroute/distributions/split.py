@@ -349,7 +349,17 @@ def _param_free(t) -> bool:
 
 
 def _default_score_parts(fn) -> bool:
-    return getattr(type(fn), "score_parts", None) is TorchDistributionMixin.score_parts
+    """Whether ``fn``'s parts are Pyro's default ones (a plain ``torch.distributions`` object has none)."""
+    return getattr(type(fn), "score_parts", None) in (None, TorchDistributionMixin.score_parts)
+
+
+def _score_parts(fn: Distribution, value: torch.Tensor) -> ScoreParts:
+    """``fn.score_parts(value)``, or Pyro's default parts for a plain ``torch.distributions`` object."""
+    method = getattr(fn, "score_parts", None)
+    if method is not None:
+        return method(value)
+    lp = fn.log_prob(value)
+    return ScoreParts(lp, 0, lp) if fn.has_rsample else ScoreParts(lp, lp, 0)
 
 
 def preimage_rsample(fn: Distribution, sample_shape=()):
@@ -434,9 +444,9 @@ def _evaluate(fn: Distribution, value: torch.Tensor, preimage, grad_mode: bool):
         target = unq
         v = value.detach()
         v._unquantize = unq.detach().requires_grad_(unq.requires_grad and grad_mode)
-        return target, v._unquantize, fn.score_parts(v), None
+        return target, v._unquantize, _score_parts(fn, v), None
     v = value.detach().requires_grad_(value.requires_grad and grad_mode)
-    return value, v, fn.score_parts(v), None
+    return value, v, _score_parts(fn, v), None
 
 
 def _flow_candidate(fn) -> bool:
@@ -501,7 +511,8 @@ def split_log_prob(
     :param value: the point at which to evaluate, typically ``fn.rsample()``.
     :param upstream: optional tensors whose path into ``fn``'s parameters is kept
         in ``pathwise``.
-    :raises TypeError: if ``fn`` is not a distribution or ``value`` not a tensor.
+    :raises TypeError: if ``fn`` is not a distribution, ``value`` not a tensor, or
+        ``upstream`` not a sequence of tensors.
     """
     return split_log_probs([(fn, value, upstream)])[0]
 
@@ -517,10 +528,26 @@ def split_log_probs(
     ``group``: the :class:`RelayGroup` whose relays the upstream tensors are (then
     they may depend on each other).
     """
+    for _, _, upstream in items:
+        _check_upstream(upstream)
     out = split_score_parts(
         [(fn, value, upstream, None) for fn, value, upstream in items], group=group
     )
     return [SplitLogProb(p.log_prob, s, q.log_prob) for p, q, s in out]
+
+
+def _check_upstream(upstream) -> None:
+    if torch.is_tensor(upstream) or not isinstance(upstream, Sequence):
+        raise TypeError(
+            "split_log_prob: upstream must be a sequence of tensors (the earlier samples the "
+            f"distribution's parameters were computed from), got {type(upstream).__name__}"
+        )
+    for j, u in enumerate(upstream):
+        if not torch.is_tensor(u):
+            raise TypeError(
+                f"split_log_prob: upstream[{j}] is a {type(u).__name__}, not a tensor; pass the "
+                "sample tensors the distribution's parameters were computed from"
+            )
 
 
 def split_score_parts(items, group: RelayGroup | None = None, on_error=None):

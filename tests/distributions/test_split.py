@@ -6,6 +6,7 @@ import pyro.distributions as dist
 import pyro.distributions.transforms as T
 import pytest
 import torch
+import torch.distributions as td
 from torch.distributions import transforms as tT
 
 from pyro_gradroute.distributions import SplitLogProb, is_delta, split_log_prob
@@ -77,6 +78,68 @@ FAMILIES = {
 }
 
 
+# The same families as plain ``torch.distributions`` objects (no ``score_parts``: Pyro's
+# default parts are used, ``(log_prob, 0, log_prob)`` for a reparameterized family).
+def _td_normal(p):
+    return td.Normal(p["loc"], p["scale"].exp())
+
+
+def _td_gamma(p):
+    return td.Gamma(p["loc"].exp(), p["scale"].exp())
+
+
+def _td_beta(p):
+    return td.Beta(p["loc"].exp(), p["scale"].exp())
+
+
+def _td_dirichlet(p):
+    return td.Dirichlet(p["conc"].exp())
+
+
+def _td_independent(p):
+    return td.Independent(td.Normal(p["loc"], p["scale"].exp()), 1)
+
+
+def _td_mvn(p):
+    return td.MultivariateNormal(
+        p["loc"], scale_tril=p["tril"].tril(-1) + torch.diag(p["scale"].exp())
+    )
+
+
+def _td_lowrank(p):
+    return td.LowRankMultivariateNormal(p["loc"], p["tril"][:, :2], p["scale"].exp())
+
+
+def _td_transformed(p):
+    base = td.Normal(p["loc"], p["scale"].exp())
+    return td.TransformedDistribution(base, [tT.AffineTransform(0.5, 2.0), tT.ExpTransform()])
+
+
+def _td_transformed_param_transform(p):
+    base = td.Independent(td.Normal(torch.zeros(4), 1.0), 1)
+    return td.TransformedDistribution(
+        base, [tT.AffineTransform(p["loc"], p["scale"].exp(), event_dim=1)]
+    )
+
+
+FAMILIES.update(
+    {
+        "torch_normal": (_td_normal, FAMILIES["normal"][1]),
+        "torch_gamma": (_td_gamma, FAMILIES["gamma"][1]),
+        "torch_beta": (_td_beta, FAMILIES["beta"][1]),
+        "torch_dirichlet": (_td_dirichlet, FAMILIES["dirichlet"][1]),
+        "torch_independent": (_td_independent, FAMILIES["independent"][1]),
+        "torch_mvn": (_td_mvn, FAMILIES["mvn"][1]),
+        "torch_lowrank_mvn": (_td_lowrank, FAMILIES["lowrank_mvn"][1]),
+        "torch_transformed": (_td_transformed, FAMILIES["transformed"][1]),
+        "torch_transformed_param_transform": (
+            _td_transformed_param_transform,
+            FAMILIES["transformed_param_transform"][1],
+        ),
+    }
+)
+
+
 def _params(shapes, seed=0):
     g = torch.Generator().manual_seed(seed)
     return {k: (0.3 * torch.randn(s, generator=g)).requires_grad_() for k, s in shapes.items()}
@@ -99,7 +162,8 @@ def test_split_matches_two_evaluation_reference(name):
     torch.manual_seed(1)
     q = make(params)
     z = q.rsample([2])
-    w = torch.randn(z.shape[: z.dim() - q.event_dim] if q.event_dim else z.shape)
+    event_dim = len(q.event_shape)
+    w = torch.randn(z.shape[: z.dim() - event_dim] if event_dim else z.shape)
     parts = split_log_prob(q, z)
     assert isinstance(parts, SplitLogProb)
 
@@ -112,17 +176,22 @@ def test_split_matches_two_evaluation_reference(name):
         _assert_close(_grads((w * part).sum(), params), _grads((w * ref).sum(), params))
 
 
-def test_flow_with_module_parameters():
+@pytest.mark.parametrize("module", [dist, td], ids=["pyro", "torch"])
+def test_flow_with_module_parameters(module):
     torch.manual_seed(0)
     flow = T.affine_autoregressive(3, hidden_dims=[8])
     torch.nn.init.normal_(flow.arn.layers[-1].weight, std=0.3)
     params = dict(flow.named_parameters())
     frozen = copy.deepcopy(flow)  # same values, separate (hence stopped) parameters
-    q = dist.TransformedDistribution(dist.Normal(torch.zeros(3), 1.0).to_event(1), [flow])
+
+    def base():
+        return module.Independent(module.Normal(torch.zeros(3), 1.0), 1)
+
+    q = module.TransformedDistribution(base(), [flow])
     z = q.rsample([5])
     parts = split_log_prob(q, z)
 
-    q_frozen = dist.TransformedDistribution(dist.Normal(torch.zeros(3), 1.0).to_event(1), [frozen])
+    q_frozen = module.TransformedDistribution(base(), [frozen])
     ref_path = q_frozen.log_prob(z)
     ref_score = q.log_prob(z.detach().clone())
     ref_full = ref_score + ref_path - ref_path.detach()  # d/dphi = score part + pathwise part
@@ -199,6 +268,10 @@ def test_bad_input():
         split_log_prob("normal", torch.tensor(0.0))
     with pytest.raises(TypeError, match="tensor"):
         split_log_prob(dist.Normal(0.0, 1.0), 0.5)
+    with pytest.raises(TypeError, match=r"upstream\[0\] is a float, not a tensor"):
+        split_log_prob(dist.Normal(0.0, 1.0), torch.tensor(0.5), upstream=[1.0])
+    with pytest.raises(TypeError, match="upstream must be a sequence of tensors"):
+        split_log_prob(dist.Normal(0.0, 1.0), torch.tensor(0.5), upstream=torch.ones(2))
 
 
 def test_is_delta_unwraps():
