@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import weakref
 
 import torch
 from pyro.infer.util import get_dependent_plate_dims
@@ -11,31 +10,49 @@ from pyro.poutine import Trace
 
 from ..distributions.split import _reached, is_delta, reaches_leaf_directly
 from ..distributions.split_distribution import SplitDistribution, check_delta_density
-from .elbo import RoutedELBO, Terms, add_term
+from .elbo import RoutedELBO, Terms, _joint_blocks, add_term, collect_blocks
 from .traces import get_split_importance_trace, site_parts
 
 
-class _Factors:
-    """Per-site gradient factors of one trace pair, filled in once the weights are known."""
+def _gate(guide_trace: Trace) -> Trace:
+    """The trace whose values the model replays: each differentiable value read through a view.
 
-    def __init__(self) -> None:
-        self.by_site: dict[str, torch.Tensor | float] = {}
+    The view's autograd node is where the factor of the value's gradient is applied once
+    the importance weights are known (:func:`_scale_gradient`); the guide's own uses of
+    the value (a conditional site, its log-density) do not pass through it.
+    """
+    trace = guide_trace.copy()
+    for name, site in guide_trace.nodes.items():
+        value = site.get("value")
+        if site["type"] == "sample" and torch.is_tensor(value) and value.requires_grad:
+            site = dict(site)
+            site["value"] = value.view_as(value)
+            if hasattr(value, "_unquantize"):
+                site["value"]._unquantize = value._unquantize
+            trace.nodes[name] = site
+    return trace
 
 
-class _GradScale(torch.autograd.Function):
-    """Identity in value; multiplies the incoming gradient by the site's factor."""
-
-    @staticmethod
-    def forward(ctx, x, factors, name, event_dim):  # type: ignore[override]
-        ctx.factors, ctx.name, ctx.event_dim = factors, name, event_dim
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
-        f = ctx.factors.by_site.get(ctx.name, 1.0)
+def _scale_gradient(model_trace: Trace, guide_trace: Trace, factors: dict) -> None:
+    """Multiply the gradient the model sends to each gated guide value by the value's factor."""
+    for name, f in factors.items():
+        msite = model_trace.nodes.get(name)
+        gsite = guide_trace.nodes.get(name)
+        if msite is None or gsite is None:
+            continue
+        v, z = msite["value"], gsite["value"]
+        if v is z or not torch.is_tensor(v) or v.grad_fn is None:
+            continue  # not gated (one particle), or no gradient to scale
+        if not torch.is_tensor(f) and f == 1:
+            continue
         if torch.is_tensor(f):
-            f = f.reshape(f.shape + (1,) * ctx.event_dim)
-        return grad * f, None, None, None
+            f = f.reshape(f.shape + (1,) * getattr(gsite["fn"], "event_dim", 0))
+
+        def hook(grad_inputs, grad_outputs, f=f):
+            # f's dims beyond the value's are size-1 (plates summed with keepdim)
+            return tuple(None if g is None else (g * f).sum_to_size(g.shape) for g in grad_inputs)
+
+        v.grad_fn.register_hook(hook)
 
 
 def _sum_dependent(t: torch.Tensor, dims) -> torch.Tensor:
@@ -163,8 +180,12 @@ class TraceDReG_ELBO(RoutedELBO):
         True
 
     :param num_particles: :math:`K`.
-    :param vectorize_particles: must be ``True`` when ``num_particles > 1`` (the
-        weights couple the particles, so they are drawn in one vectorized pass).
+    :param vectorize_particles: draw the particles in one vectorized pass (default).
+        ``False`` draws them in a loop, as :class:`pyro.infer.RenyiELBO` does by default:
+        for a model that does not vectorize over particles (for instance one that applies
+        ``torch.nn.Linear`` to a sampled weight). The loop's loss and gradients are those of
+        the vectorized pass on the same draws; it costs ``num_particles`` model and guide
+        passes.
     :param alpha: the Renyi order (default 0: IWAE); ``alpha=1`` (the ELBO) is
         :class:`TraceSTL_ELBO`.
     """
@@ -188,18 +209,22 @@ class TraceDReG_ELBO(RoutedELBO):
                 f"{type(self).__name__}: num_particles must be an integer >= 1, got {num_particles!r}"
             )
         self.alpha = float(alpha)
-        if num_particles > 1 and not vectorize_particles:
+        if (
+            num_particles > 1
+            and not vectorize_particles
+            and type(self)._particle_terms is not TraceDReG_ELBO._particle_terms
+        ):
             raise ValueError(
-                f"{type(self).__name__} couples its {num_particles} particles through the "
-                "importance weights and draws them in one vectorized pass: use "
-                "vectorize_particles=True"
+                f"{type(self).__name__} draws its {num_particles} particles in one vectorized "
+                "pass only: use vectorize_particles=True, or TraceDReG_ELBO(num_particles=..., "
+                "vectorize_particles=False) for a model that does not vectorize over particles."
             )
-        # one particle needs no particle plate (and no max_plate_nesting guess)
+        # one particle needs no particle plate (and no max_plate_nesting guess); with
+        # vectorize_particles=False the particles are drawn in a loop and combined after
         vectorize_particles = vectorize_particles and num_particles > 1
         super().__init__(
             num_particles=num_particles, vectorize_particles=vectorize_particles, **kwargs
         )
-        self._factors: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     # the weightings that distinguish IWAE-DReG from RWS-DReG
     def _draw_factor(self, w: torch.Tensor, c) -> torch.Tensor:
@@ -215,31 +240,48 @@ class TraceDReG_ELBO(RoutedELBO):
         return 1  # the bound already combines the particles
 
     def _get_trace(self, model, guide, args, kwargs):
-        factors = _Factors()
-
-        def gated(guide_trace: Trace) -> Trace:
-            trace = guide_trace.copy()
-            for name, site in guide_trace.nodes.items():
-                value = site.get("value")
-                if site["type"] == "sample" and torch.is_tensor(value) and value.requires_grad:
-                    event_dim = getattr(site["fn"], "event_dim", 0)
-                    site = dict(site)
-                    site["value"] = _GradScale.apply(value, factors, name, event_dim)
-                    if hasattr(value, "_unquantize"):
-                        site["value"]._unquantize = value._unquantize
-                    trace.nodes[name] = site
-            return trace
-
-        model_trace, guide_trace = get_split_importance_trace(
+        return get_split_importance_trace(
             self.max_plate_nesting,
             model,
             guide,
             args,
             kwargs,
-            replay_values=gated if self.num_particles > 1 else None,
+            replay_values=_gate if self.num_particles > 1 else None,
         )  # every site split; one that cannot be split raises (DReG needs its pathwise part)
-        self._factors[guide_trace] = factors
-        return model_trace, guide_trace
+
+    def _get_traces(self, model, guide, args, kwargs):
+        if not self.vectorize_particles:
+            yield from super()._get_traces(model, guide, args, kwargs)
+            return
+        try:
+            pair = next(super()._get_traces(model, guide, args, kwargs))
+        except (RuntimeError, IndexError) as e:
+            raise type(e)(
+                f"{type(self).__name__}: the model or guide failed while its "
+                f"{self.num_particles} particles were drawn in one vectorized pass ({e}). A "
+                "model that does not vectorize over particles (for instance one that calls "
+                "torch.nn.Linear on a sampled weight, or reads a sample's shape) needs "
+                f"{type(self).__name__}(num_particles={self.num_particles}, "
+                "vectorize_particles=False), which draws the particles in a loop."
+            ) from e
+        yield pair
+
+    def _iter_particles(self, model, guide, args, kwargs):
+        if self.vectorize_particles or self.num_particles == 1:
+            yield from super()._iter_particles(model, guide, args, kwargs)
+            return
+        pairs = list(self._get_traces(model, guide, args, kwargs))
+        blocks: dict = {}
+        for model_trace, guide_trace in pairs:
+            for key, blocked in collect_blocks(model_trace, guide_trace).items():
+                blocks[key] = {**blocks.get(key, {}), **blocked}
+        elbo, terms = self._weighted_terms(pairs, vectorized=False)
+        blocks = _joint_blocks(terms, blocks)
+        trainable = any(
+            site["type"] == "param" for pair in pairs for t in pair for site in t.nodes.values()
+        )
+        terms = {k: v for k, v in terms.items() if torch.is_tensor(v) and v.requires_grad}
+        yield elbo, terms, blocks, trainable
 
     def _check_sites(self, guide_trace: Trace) -> None:
         for name, site in guide_trace.nodes.items():
@@ -339,7 +381,8 @@ class TraceDReG_ELBO(RoutedELBO):
                     "link. Give those sites one scale, or use pyro.infer.RenyiELBO(alpha=0)."
                 )
 
-    def _particle_terms(self, model_trace, guide_trace, blocks=None) -> tuple[float, Terms]:
+    def _log_weights(self, model_trace, guide_trace):
+        """``(log_w, outer, model_sites, guide_sites)`` of one trace pair (``log_w`` detached)."""
         self._check_sites(guide_trace)
         sites = _sample_sites(model_trace, guide_trace)
         sum_dims = get_dependent_plate_dims(sites)
@@ -350,7 +393,25 @@ class TraceDReG_ELBO(RoutedELBO):
         log_w = log_w - sum(
             _sum_dependent(s["log_prob"].detach(), sum_dims) for s in guide_sites.values()
         )
-        log_w = torch.as_tensor(log_w) / outer
+        return torch.as_tensor(log_w) / outer, outer, model_sites, guide_sites
+
+    def _weighted_terms(self, pairs, vectorized: bool) -> tuple[float, Terms]:
+        """The bound and the surrogate terms of the particles in ``pairs``.
+
+        ``vectorized``: one trace pair whose leftmost batch dimension holds the particles;
+        otherwise one trace pair per particle, whose log-weights are stacked.
+        """
+        parts = [self._log_weights(m, g) for m, g in pairs]
+        outer = parts[0][1]
+        if vectorized:
+            log_w = parts[0][0]
+        else:
+            if any(not _same(p[1], outer) for p in parts):
+                raise ValueError(
+                    f"{type(self).__name__}: the particles' subsampling scales differ (the "
+                    "plates that hold every site have different sizes across particles)."
+                )
+            log_w = torch.stack(torch.broadcast_tensors(*(p[0] for p in parts)))
         K, beta = self.num_particles, 1 - self.alpha
         if K > 1:
             elbo = (
@@ -360,17 +421,24 @@ class TraceDReG_ELBO(RoutedELBO):
         else:
             elbo = outer * log_w.sum().item()
             w = torch.ones_like(log_w)
-        factors = self._site_factors(guide_sites, w, outer)
-        self._factors.pop(guide_trace).by_site.update(factors)
         terms: Terms = {}
-        for name, site in model_sites.items():
-            add_term(terms, ("model", name), (w * site["log_prob"]).sum())
-        for name, site in guide_sites.items():
-            path = site_parts(site)[1].log_prob
-            if torch.is_tensor(path) and path.requires_grad:
-                f = factors.get(name, 1.0)
-                add_term(terms, ("guide", name), -(w * f * path).sum())
+        for k, ((model_trace, guide_trace), (_, _, model_sites, guide_sites)) in enumerate(
+            zip(pairs, parts)
+        ):
+            wk = w if vectorized else w[k]
+            factors = self._site_factors(guide_sites, wk, outer)
+            _scale_gradient(model_trace, guide_trace, factors)
+            for name, site in model_sites.items():
+                add_term(terms, ("model", name), (wk * site["log_prob"]).sum())
+            for name, site in guide_sites.items():
+                path = site_parts(site)[1].log_prob
+                if torch.is_tensor(path) and path.requires_grad:
+                    f = factors.get(name, 1.0)
+                    add_term(terms, ("guide", name), -(wk * f * path).sum())
         return elbo, terms
+
+    def _particle_terms(self, model_trace, guide_trace, blocks=None) -> tuple[float, Terms]:
+        return self._weighted_terms([(model_trace, guide_trace)], vectorized=True)
 
 
 class ReweightedWakeSleepDReG(TraceDReG_ELBO):
@@ -408,6 +476,13 @@ class ReweightedWakeSleepDReG(TraceDReG_ELBO):
     """
 
     def __init__(self, num_particles: int = 2, vectorize_particles: bool = True, **kwargs):
+        alpha = kwargs.pop("alpha", 0.0)
+        if alpha != 0:
+            raise ValueError(
+                f"ReweightedWakeSleepDReG has no Renyi order: its wake-theta objective is the "
+                f"IWAE bound (alpha=0), got alpha={alpha!r}. For the Renyi bound of order alpha "
+                "with doubly-reparameterized gradients use TraceDReG_ELBO(alpha=...)."
+            )
         if num_particles < 2:
             raise ValueError(
                 "ReweightedWakeSleepDReG needs num_particles > 1 (self-normalized weights)"
