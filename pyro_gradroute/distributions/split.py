@@ -205,7 +205,7 @@ class _Pathwise(torch.autograd.Function):
                 "fn.log_prob(value) itself, support higher derivatives; the package's "
                 "Trace_ELBO (which does not split) does too."
             )
-        items, ups, targets, group, target_index = ctx.meta
+        items, ups, targets, group, target_index, above = ctx.meta
         g_full = grads[0::2]
         g_path = grads[1::2]
         g_targets: list = [None] * len(targets)
@@ -263,7 +263,35 @@ class _Pathwise(torch.autograd.Function):
                     group.cut = False
             for k, g in zip(wanted, gs):
                 g_ups[k] = g
+            if above is not None:  # no cut points: turn the totals into partials
+                _partials(g_ups, ups, above)
         return (None, *g_ups, *g_full, *g_targets)
+
+
+def _partials(g: list, ups: list[torch.Tensor], above: dict[int, list[int]]) -> None:
+    r"""Partial derivatives from the total ones, in place, for upstream tensors that depend on each other.
+
+    ``g[j]`` holds the total derivative :math:`G_j` of the products with respect to
+    ``ups[j]`` (through every path, including the ones through other upstream tensors);
+    ``above[j]`` lists the upstream tensors computed from ``ups[j]``. With
+    :math:`f` read directly from every ``ups[i]``,
+    :math:`G_j = \partial_j f + \sum_{i \in \text{above}(j)} (du_i/du_j)^\top \partial_i f`
+    (total derivatives :math:`du_i/du_j`; ``ups`` in the order they were computed), so
+    the partials follow from the latest to the earliest, one vector-Jacobian product each.
+    """
+    for j in reversed(range(len(ups))):  # the latest first: its partial is its total
+        ins = [i for i in above.get(j, ()) if g[i] is not None]
+        if g[j] is None or not ins:
+            continue
+        (d,) = torch.autograd.grad(
+            [ups[i] for i in ins],
+            [ups[j]],
+            [g[i] for i in ins],
+            retain_graph=True,
+            allow_unused=True,
+        )
+        if d is not None:
+            g[j] = g[j] - d
 
 
 def _times(h: torch.Tensor, g: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -322,6 +350,22 @@ def _reached(tensor: torch.Tensor, candidates: Sequence[torch.Tensor]) -> list[i
     return sorted(hit)
 
 
+def _above(ups: list[torch.Tensor]) -> dict[int, list[int]] | None:
+    """``{j: indices of the tensors computed from ups[j]}`` (by any path), or None if none is.
+
+    ``ups`` must be in the order they were computed.
+    """
+    below: list[set[int]] = []
+    for i, u in enumerate(ups):
+        direct = _reached(u, ups[:i])
+        below.append(set(direct).union(*(below[j] for j in direct)))
+    above: dict[int, list[int]] = {}
+    for i, b in enumerate(below):
+        for j in b:
+            above.setdefault(j, []).append(i)
+    return above or None
+
+
 def _check_independent(ups: list[torch.Tensor]) -> None:
     """Raise if one of ``ups`` lies on another's graph (the product would count a path twice)."""
     for j, u in enumerate(ups):
@@ -362,6 +406,44 @@ def _score_parts(fn: Distribution, value: torch.Tensor) -> ScoreParts:
     return ScoreParts(lp, 0, lp) if fn.has_rsample else ScoreParts(lp, lp, 0)
 
 
+def flatten_transformed(fn: Distribution) -> Distribution:
+    """``TD(TD(base, [t1]), [t2])`` as the equal ``TD(base, [t1, t2])`` (any depth); else ``fn``.
+
+    A nested ``TransformedDistribution`` samples and scores exactly as the flat one (the
+    same operations, the same random numbers). Flat, the split sees the whole path from
+    the base sample, so an inner flow gets its forward rules and an inner cached
+    transform is not inverted through its cache. An inner one that the outer one
+    reinterprets (``Independent``) is flattened with ``IndependentTransform``; one that
+    is expanded, or with its own ``score_parts``, is kept as it is.
+    """
+    if not isinstance(fn, TransformedDistribution) or not _default_score_parts(fn):
+        return fn
+    from torch.distributions import Independent
+    from torch.distributions.transforms import IndependentTransform
+
+    base, n = fn.base_dist, 0
+    if isinstance(base, Independent) and type(base) in (Independent, _pyro_independent()):
+        base, n = base.base_dist, base.reinterpreted_batch_ndims
+    if not isinstance(base, TransformedDistribution) or not _default_score_parts(base):
+        return fn
+    inner = flatten_transformed(base)
+    if not isinstance(inner, TransformedDistribution):
+        return fn
+    ts = list(inner.transforms)
+    if n:
+        ts = [IndependentTransform(t, n) for t in ts]
+    flat = type(fn)(inner.base_dist, ts + list(fn.transforms), validate_args=False)
+    if flat.batch_shape != fn.batch_shape or flat.event_shape != fn.event_shape:
+        return fn
+    return flat
+
+
+def _pyro_independent():
+    from pyro.distributions import Independent
+
+    return Independent
+
+
 def preimage_rsample(fn: Distribution, sample_shape=()):
     """``fn.rsample(sample_shape)`` and, for a ``TransformedDistribution``, its pre-image.
 
@@ -373,6 +455,7 @@ def preimage_rsample(fn: Distribution, sample_shape=()):
     ``TransformedDistribution.rsample``.
     """
     sample_shape = torch.Size(sample_shape)
+    fn = flatten_transformed(fn)
     if (
         isinstance(fn, TransformedDistribution)
         and _default_score_parts(fn)
@@ -427,6 +510,7 @@ def _evaluate(fn: Distribution, value: torch.Tensor, preimage, grad_mode: bool):
     ``flow`` is ``None``, or for a flow evaluated forward along its path ``(g, score)``:
     the forward-carried gradient at the target and the score part (``v`` is then None).
     """
+    fn = flatten_transformed(fn)
     if preimage is None and _flow_candidate(fn):
         preimage = flows.cached_path(fn, value)
     if isinstance(preimage, flows.FlowPath):
@@ -550,7 +634,9 @@ def _check_upstream(upstream) -> None:
             )
 
 
-def split_score_parts(items, group: RelayGroup | None = None, on_error=None):
+def split_score_parts(
+    items, group: RelayGroup | None = None, on_error=None, dependent_ok: bool = False
+):
     """The split of each item's ``score_parts``: a list of ``(full, pathwise, score)``.
 
     ``items``: ``(fn, value, upstream, preimage)``. ``full`` and ``pathwise`` are
@@ -559,6 +645,9 @@ def split_score_parts(items, group: RelayGroup | None = None, on_error=None):
     the pathwise, gradient; ``score`` is the evaluated ``log_prob`` itself.
     ``on_error(i, exc)`` may return ``None`` to re-raise, or a
     ``(full, pathwise, score)`` triple to use for item ``i`` instead.
+    ``dependent_ok``: upstream tensors (without a ``group``) may depend on each other;
+    the backward then turns total derivatives into partials (:func:`_partials`) instead
+    of raising. They must be given in the order they were computed.
     """
     grad_mode = torch.is_grad_enabled()
     results: list = [None] * len(items)
@@ -633,15 +722,19 @@ def split_score_parts(items, group: RelayGroup | None = None, on_error=None):
             target_index.append(tk)
         results[i] = (parts, distinct, score)
     if node_items:
+        above = None
         if group is None and len(ups_list) > 1:
-            _check_independent(ups_list)
-        meta = (node_items, ups_list, targets, group, target_index)
+            if dependent_ok:
+                above = _above(ups_list)
+            else:
+                _check_independent(ups_list)
+        meta = (node_items, ups_list, targets, group, target_index, above)
         provenance = [get_provenance(it.lp) for it in node_items]  # TraceGraph_ELBO's tracking
         if any(provenance) or any(get_provenance(t) for t in (*ups_list, *targets)):
             node_items = [_strip_provenance(it) for it in node_items]
             ups_list = [detach_provenance(u) for u in ups_list]
             targets = [detach_provenance(t) for t in targets]
-            meta = (node_items, ups_list, targets, group, target_index)
+            meta = (node_items, ups_list, targets, group, target_index, above)
         lps = [it.lp for it in node_items]
         outs = _Pathwise.apply(meta, *ups_list, *lps, *targets)
         split_of: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
