@@ -122,6 +122,13 @@ def _parser() -> argparse.ArgumentParser:
         default=1000,
         help="guide draws for k-hat, ELBO and log p(x)",
     )
+    c.add_argument(
+        "--warmup-steps",
+        type=_at_least(0),
+        default=0,
+        help="start every estimator after the same N steps of Pyro's Trace_ELBO from the "
+        "seed, to compare them near a fit (default 0: from the initialisation)",
+    )
     c.add_argument("--out", default="gradroute-compare", help="folder for the PNG plots")
     c.add_argument(
         "--threads",
@@ -260,6 +267,7 @@ def _compare(parser, args, start: float) -> int:
             lambda: load_problem(args.model), names, steps=args.steps, lr=args.lr, num_particles=args.particles,
             seed=args.seed, snr_draws=args.snr_draws, num_samples=args.samples,
             progress=not args.no_progress, quiet=False, alpha=args.alpha,
+            warmup_steps=args.warmup_steps,
         ):  # fmt: skip
             results.append(r)
     except KeyboardInterrupt:

@@ -12,11 +12,24 @@ parameters:
   over the problem's diagnostic data -- the same yardstick for every estimator;
 * ``heldout_ll``: held-out log-likelihood per observation (:mod:`~pyro_gradroute.diagnostics.heldout`);
 * ``snr_guide`` / ``snr_model``: norm SNR of the estimator's gradient for guide / model
-  parameters (:func:`~pyro_gradroute.diagnostics.gradient_stats`);
+  parameters (:func:`~pyro_gradroute.diagnostics.gradient_stats`), with a 68% bootstrap
+  interval (``snr_*_interval``, see :func:`snr_interval`) and the noise floor ``snr_floor``
+  :math:`= 1/\sqrt{D}` for ``D`` gradient draws: with a zero mean gradient (the usual state
+  at a fit) the norm SNR is about :math:`1/\sqrt{D}`, so an SNR near the floor says the
+  mean gradient is not distinguishable from zero, not how noisy the estimator is;
+* ``grad_var_guide`` / ``grad_var_model``: the total gradient variance, the trace of the
+  covariance of the gradient estimate, :math:`\sum_i \mathrm{Var}(\hat g_i)` over the
+  guide / model parameters' unconstrained elements (what compares estimators at a fit);
 * ``ms_per_step``: median wall time of an SVI step (the first, which builds the guide, left
   out); ``khat``: PSIS k-hat of the fitted guide.
 
-Each estimate carries a Monte Carlo standard error (``*_se``). A fit whose loss becomes
+Each estimate carries a Monte Carlo standard error (``*_se``).
+
+With ``warmup_steps = N`` every estimator starts from the same parameters: the problem is
+built from the seed and fitted ``N`` steps with Pyro's ``Trace_ELBO`` (repeated for each
+estimator; deterministic, so the parameters are identical), then the estimator runs its
+``steps`` with a fresh Adam from there. This compares estimators near a fit rather than from
+the initialisation. A fit whose loss becomes
 non-finite, or rises far above where it started, is stopped: its ``diverged_at`` is the step,
 and it is not measured.
 
@@ -84,6 +97,21 @@ class EstimatorResult:
     #: adaptive estimators: guide-gradient variance over the better of the two estimators it
     #: mixes (STL and Trace_ELBO, or DReG and IWAE), all at its fitted parameters
     variance_ratio: float = math.nan
+    #: total gradient variance (trace of the covariance) over guide / model parameters
+    grad_var_guide: float = math.nan
+    grad_var_model: float = math.nan
+    #: 68% bootstrap intervals of the norm SNRs (they contain the estimate; see snr_interval)
+    snr_guide_interval: tuple = (math.nan, math.nan)
+    snr_model_interval: tuple = (math.nan, math.nan)
+    #: Trace_ELBO losses of the shared warm-up (``warmup_steps``), before ``losses``
+    warmup_losses: list = field(default_factory=list)
+
+    @property
+    def snr_floor(self) -> float:
+        r"""Norm SNR of a zero-mean gradient estimated from the draws: :math:`1/\sqrt{D}`."""
+        if self.grads is None or not self.grads.num_draws:
+            return math.nan
+        return 1.0 / math.sqrt(self.grads.num_draws)
 
     @property
     def diverged(self) -> bool:
@@ -172,12 +200,84 @@ def _mean_weights(elbo, most: int = 3) -> dict[str, float]:
     return {n: float(b.mean()) for n, b in list(weights.items())[:most]}
 
 
-def _guide_variance(stats) -> float:
-    names = stats.guide_params
-    if not names or stats.draws is None:
+def total_variance(stats: GradientStats, names: Sequence[str]) -> float:
+    r"""Trace of the covariance of the gradient estimate over the parameters ``names``.
+
+    :math:`\operatorname{tr}\operatorname{Cov}(\hat g) = \sum_i s_i^2`, the unbiased
+    per-element variances of :func:`~pyro_gradroute.diagnostics.gradient_stats` summed over
+    every unconstrained element; NaN without names.
+
+    >>> from pyro_gradroute.diagnostics.gradients import GradientStats, ParamGradStats
+    >>> s = GradientStats({"a": ParamGradStats(torch.zeros(2), torch.tensor([1.0, 2.0]))},
+    ...                   ["a"], [], num_draws=5)
+    >>> total_variance(s, ["a"])
+    3.0
+    """
+    names = list(names)
+    if not names:
         return math.nan
-    flat = torch.cat([stats.draws[n].reshape(stats.num_draws, -1) for n in names], 1)
-    return float(flat.var(0).sum())
+    return float(sum(float(stats[n].variance.sum()) for n in names))
+
+
+def _guide_variance(stats) -> float:
+    return total_variance(stats, stats.guide_params)
+
+
+def snr_interval(
+    stats: GradientStats,
+    names: Sequence[str],
+    level: float = 0.68,
+    num_resamples: int = 200,
+    seed: int = 0,
+) -> tuple[float, float]:
+    r"""A bootstrap interval of the norm SNR over ``names`` that contains the estimate.
+
+        The norm SNR :math:`\hat
+    ho = \lVertar g
+    Vert / \sqrt{\sum_i s_i^2}` is biased
+        upwards (:math:`\lVertar g
+    Vert^2` carries :math:`\operatorname{tr}\Sigma / D`), and
+        a resample of the draws adds that bias again: at a fit the bootstrap distribution lies
+        above :math:`\hat
+    ho` (near :math:`\sqrt{2/D}` where :math:`\hat
+    ho pprox 1/\sqrt D`),
+        so a percentile interval, and the basic interval equally, can miss the estimate. This
+        interval is centred on the estimate on the log scale, with the bootstrap's spread:
+        :math:`\hat
+    ho \exp(\pm z\, \mathrm{sd}^*(\log \hat
+    ho^*))`, ``z`` the normal quantile
+        of ``level``. It always contains :math:`\hat
+    ho`, and its width is the bootstrap's.
+        Needs the draws (``keep_draws=True``); ``(nan, nan)`` without draws or names.
+
+        >>> import torch
+        >>> from pyro_gradroute.diagnostics.gradients import GradientStats, ParamGradStats
+        >>> d = torch.randn(20, 3, generator=torch.Generator().manual_seed(0))
+        >>> s = GradientStats({"a": ParamGradStats(d.mean(0), d.var(0))}, ["a"], [], 20,
+        ...                   draws={"a": d})
+        >>> lo, hi = snr_interval(s, ["a"])
+        >>> lo <= s.snr(["a"]) <= hi
+        True
+    """
+    names = list(names)
+    if not names or stats.draws is None:
+        return math.nan, math.nan
+    est = stats.snr(names)
+    if not (math.isfinite(est) and est > 0):
+        return est, est
+    D = stats.num_draws
+    flat = torch.cat([stats.draws[n].reshape(D, -1) for n in names], 1).double()
+    g = torch.Generator(device=flat.device).manual_seed(seed)
+    idx = torch.randint(D, (num_resamples, D), generator=g, device=flat.device)
+    boot = flat[idx]  # (B, D, P)
+    signal = boot.mean(1).pow(2).sum(-1).sqrt()
+    noise = boot.var(1).sum(-1).sqrt()
+    ok = (signal > 0) & (noise > 0)
+    if int(ok.sum()) < 2:
+        return est, est
+    spread = float((signal[ok] / noise[ok]).log().std())
+    z = statistics.NormalDist().inv_cdf((1 + level) / 2)
+    return est * math.exp(-z * spread), est * math.exp(z * spread)
 
 
 def _variance_ratio(name, p, stats, num_draws, seed, alpha) -> float:
@@ -193,11 +293,35 @@ def _variance_ratio(name, p, stats, num_draws, seed, alpha) -> float:
     return _guide_variance(stats) / best if best > 0 else math.nan
 
 
-def _run_one(build, name, seed, steps, lr, num_particles, snr_draws, num_samples, progress,
-             quiet, alpha=0.5):  # fmt: skip
+def warm_start(build: Callable[[], Problem], seed: int, warmup_steps: int, lr: float | None):
+    """Build the problem from ``seed`` and fit it ``warmup_steps`` steps with Pyro's ``Trace_ELBO``.
+
+    Returns ``(problem, losses)``. Deterministic: every call with the same arguments leaves
+    the same parameters in the param store (a fresh store each time). The random state is
+    then reset to ``seed + 1``, so that what follows draws the same numbers for every
+    estimator.
+    """
     pyro.clear_param_store()
     pyro.set_rng_seed(seed)
     p = build()
+    losses: list[float] = []
+    if warmup_steps:
+        elbo = pyro.infer.Trace_ELBO(max_plate_nesting=_plate_depth(p))
+        svi = SVI(p.model, p.guide, pyro.optim.Adam({"lr": lr or p.lr}), elbo)
+        for _ in range(warmup_steps):
+            losses.append(svi.step(*p.args, **p.kwargs))
+        if not math.isfinite(losses[-1]):
+            raise ValueError(
+                f"the Trace_ELBO warm-up (warmup_steps={warmup_steps}) diverged (loss "
+                f"{losses[-1]}): use fewer warm-up steps or a smaller learning rate"
+            )
+        pyro.set_rng_seed(seed + 1)
+    return p, losses
+
+
+def _run_one(build, name, seed, steps, lr, num_particles, snr_draws, num_samples, progress,
+             quiet, alpha=0.5, warmup_steps=0):  # fmt: skip
+    p, warmup_losses = warm_start(build, seed, warmup_steps, lr)
     steps = p.steps if steps is None else steps
     elbo = make_elbo(name, num_particles or p.num_particles, _plate_depth(p), alpha=alpha)
     lr = lr or p.lr
@@ -209,9 +333,7 @@ def _run_one(build, name, seed, steps, lr, num_particles, snr_draws, num_samples
              f"({type(e).__name__}); fitting with vectorize_particles=False", quiet)  # fmt: skip
         elbo = make_elbo(name, num_particles or p.num_particles, _plate_depth(p),
                          vectorize_particles=False, alpha=alpha)  # fmt: skip
-        pyro.clear_param_store()
-        pyro.set_rng_seed(seed)
-        p = build()
+        p, warmup_losses = warm_start(build, seed, warmup_steps, lr)
     svi = SVI(p.model, p.guide, pyro.optim.Adam({"lr": lr}), elbo)
     losses: list[float] = []
     bar = range(steps)
@@ -253,6 +375,7 @@ def _run_one(build, name, seed, steps, lr, num_particles, snr_draws, num_samples
         diverged_at=diverged,
         fit_seconds=fit_seconds,
         cv_weights=cv_weights,
+        warmup_losses=warmup_losses,
     )
     last = f"{losses[-1]:.5g}" if losses else "-"
     if diverged is not None:
@@ -265,6 +388,11 @@ def _run_one(build, name, seed, steps, lr, num_particles, snr_draws, num_samples
         p.model, p.guide, elbo, *p.args, num_draws=snr_draws, seed=seed, keep_draws=True,
         **p.kwargs,
     )  # fmt: skip
+    g = result.grads
+    result.grad_var_guide = total_variance(g, g.guide_params)
+    result.grad_var_model = total_variance(g, g.model_params)
+    result.snr_guide_interval = snr_interval(g, g.guide_params, seed=seed)
+    result.snr_model_interval = snr_interval(g, g.model_params, seed=seed)
     if hasattr(elbo, "control_variate_weights"):
         result.variance_ratio = _variance_ratio(name, p, result.grads, snr_draws, seed, alpha)
     diag = p.diag_args if p.diag_args is not None else p.args
@@ -300,14 +428,17 @@ def iter_compare(
     progress: bool = True,
     quiet: bool = True,
     alpha: float = 0.5,
+    warmup_steps: int = 0,
 ) -> Iterator[EstimatorResult]:
     """:func:`compare_estimators`, yielding each estimator's result as soon as it is done."""
+    if not (isinstance(warmup_steps, int) and warmup_steps >= 0):
+        raise ValueError(f"warmup_steps must be an integer >= 0, got {warmup_steps!r}")
     build = _builder(problem)
     for name in estimators:
         make_elbo(name)  # fail before any fitting
     for name in estimators:
         yield _run_one(build, name, seed, steps, lr, num_particles, snr_draws, num_samples,
-                       progress, quiet, alpha)  # fmt: skip
+                       progress, quiet, alpha, warmup_steps)  # fmt: skip
 
 
 def compare_estimators(problem: str | Callable, estimators: Sequence[str], **kwargs):
@@ -322,6 +453,9 @@ def compare_estimators(problem: str | Callable, estimators: Sequence[str], **kwa
     :param num_samples: guide draws for k-hat, ELBO, :math:`\\log p(x)` and the InferenceData.
     :param progress: show a tqdm progress bar per estimator (they stay on screen).
     :param quiet: when false, print a line per phase of each estimator to stderr.
+    :param warmup_steps: ``N > 0``: every estimator starts after the same ``N`` steps of
+        Pyro's ``Trace_ELBO`` from the seed (see :func:`warm_start`); 0 (default): from the
+        initialisation.
     :raises ValueError: for an unknown model or estimator (listing what exists).
     :returns: a list of :class:`EstimatorResult`, in the order of ``estimators``.
     """
@@ -334,6 +468,13 @@ def _fmt(x: float | None, spec: str = ".3g") -> str:
     return "nan" if math.isnan(x) else format(x, spec)
 
 
+def _snr(x: float, interval: tuple, spec: str = ".3g") -> str:
+    lo, hi = interval
+    if math.isnan(x) or not (math.isfinite(lo) and math.isfinite(hi)):
+        return _fmt(x, spec)
+    return f"{format(x, spec)} [{lo:.2g}, {hi:.2g}]"
+
+
 def _pm(x: float, se: float, spec: str) -> str:
     if math.isnan(x):
         return "nan"
@@ -341,14 +482,18 @@ def _pm(x: float, se: float, spec: str) -> str:
 
 
 COLUMNS = ["estimator", "train loss (sum)", "ELBO (sum)", "log p(x) (sum)",
-           "held-out ll (per obs)", "SNR guide", "SNR model", "ms/step", "k-hat"]  # fmt: skip
+           "held-out ll (per obs)", "SNR guide", "SNR model", "tr Var guide", "tr Var model",
+           "ms/step", "k-hat"]  # fmt: skip
 
 #: printed under the table: what each column is, on which scale
 TABLE_NOTE = """\
 scales (nats): train loss = the estimator's own loss (iwae/dreg: negative IWAE bound; trace/stl:
   negative ELBO), mean of the last 10% of steps, summed over the training data; ELBO and
   log p(x) = from guide draws, summed over the diagnostic data; held-out ll = per held-out
-  observation. SNR = |mean| / sd of the gradient (norm). ± = one Monte Carlo standard error."""
+  observation. SNR = |mean| / sd of the gradient (norm), [68% bootstrap interval]; with D
+  gradient draws a zero mean gradient reads SNR ~ 1/sqrt(D) (the noise floor, printed below):
+  near it, compare estimators by tr Var = total gradient variance (trace of the covariance,
+  summed over unconstrained elements), lower is better. ± = one Monte Carlo standard error."""
 
 
 def format_table(results: Sequence[EstimatorResult]) -> str:
@@ -364,8 +509,10 @@ def format_table(results: Sequence[EstimatorResult]) -> str:
         rows.append([
             r.name, _pm(r.train_loss, r.train_loss_se, ".5g"), _pm(r.elbo, r.elbo_se, ".5g"),
             _pm(r.log_px, r.log_px_se, ".5g"), _pm(r.heldout_ll, r.heldout_ll_se, ".4f") if r.heldout_ll is not None else "-",
-            _fmt(r.snr_guide) if r.grads is not None and r.grads.guide_params else "-",
-            _fmt(r.snr_model) if r.grads is not None and r.grads.model_params else "-",
+            _snr(r.snr_guide, r.snr_guide_interval) if r.grads is not None and r.grads.guide_params else "-",
+            _snr(r.snr_model, r.snr_model_interval) if r.grads is not None and r.grads.model_params else "-",
+            _fmt(r.grad_var_guide, ".3g") if r.grads is not None and r.grads.guide_params else "-",
+            _fmt(r.grad_var_model, ".3g") if r.grads is not None and r.grads.model_params else "-",
             _fmt(r.ms_per_step, ".3g"),
             f"{_fmt(r.khat.khat, '.2f')} {r.khat.reading}" if r.khat is not None else "-",
         ])  # fmt: skip
@@ -373,6 +520,13 @@ def format_table(results: Sequence[EstimatorResult]) -> str:
     lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
              for row in rows]  # fmt: skip
     lines.insert(1, "  ".join("-" * w for w in widths))
+    floors = sorted({r.snr_floor for r in results if not r.diverged and r.grads is not None})
+    for f in floors:
+        draws = round(1 / f**2)
+        notes.append(f"SNR noise floor 1/sqrt(draws) = {f:.3g} ({draws} gradient draws)")
+    warm = sorted({len(r.warmup_losses) for r in results if r.warmup_losses})
+    for n in warm:
+        notes.append(f"every estimator started after the same {n} Trace_ELBO warm-up steps")
     return "\n".join(lines + notes)
 
 

@@ -72,15 +72,15 @@ def plot_snr(results, path: str) -> str:
     fig, ax = plt.subplots(figsize=(7, 4))
     x = np.arange(len(results))
     series = []  # only the parameter groups the model has (e.g. no model params: no empty bars)
-    for label, attr, group in [("guide params", "snr_guide", "guide_params"),
-                               ("model params", "snr_model", "model_params")]:  # fmt: skip
+    for label, attr in [("guide params", "snr_guide"),
+                        ("model params", "snr_model")]:  # fmt: skip
         vals = [getattr(r, attr) for r in results]
         if any(v is not None and math.isfinite(v) for v in vals):
             bars = [v if v is not None and math.isfinite(v) else 0.0 for v in vals]
             errs = np.zeros((2, len(results)))
             for j, r in enumerate(results):
                 if r.grads is not None and math.isfinite(bars[j]):
-                    lo, hi = r.grads.snr_interval(getattr(r.grads, group))
+                    lo, hi = getattr(r, f"{attr}_interval")  # contains the estimate
                     if math.isfinite(lo) and math.isfinite(hi):
                         errs[:, j] = [max(0.0, bars[j] - lo), max(0.0, hi - bars[j])]
             series.append((label, bars, errs))

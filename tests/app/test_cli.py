@@ -127,7 +127,8 @@ def test_list_into_a_closed_pipe_has_no_broken_pipe_error():
      (["--estimators", ","], "argument --estimators: the list is empty"),
      (["--estimators", "trace,stl,trace"], "argument --estimators: trace listed more than once"),
      (["--estimators", "trace,reinforce"], "unknown estimator 'reinforce'; available: trace, stl, iwae, dreg"),
-     (["--alpha", "1"], "argument --alpha: must be a finite number other than 1")],
+     (["--alpha", "1"], "argument --alpha: must be a finite number other than 1"),
+     (["--warmup-steps", "-1"], "argument --warmup-steps: must be at least 0, got -1")],
 )  # fmt: skip
 def test_bad_values_are_refused_before_fitting(flags, expected, capsys, tmp_path):
     out = tmp_path / "never"

@@ -71,3 +71,88 @@ def test_adaptive_estimators_report_weights_and_variance_reduction(name, tmp_pat
         "gaussian_means", ["stl"], steps=2, snr_draws=2, num_samples=20, progress=False
     )
     assert not s.cv_weights and math.isnan(s.variance_ratio)
+
+
+def _zero_mean_stats(seed, D=20, P=30):
+    """Gradient draws with a zero mean, as at a fit: the norm SNR sits near 1/sqrt(D)."""
+    import torch
+
+    from pyro_gradroute.diagnostics.gradients import GradientStats, ParamGradStats
+
+    d = torch.randn(D, P, generator=torch.Generator().manual_seed(seed)) * torch.linspace(0.5, 2, P)
+    stats = {"a": ParamGradStats(d[:, :10].mean(0), d[:, :10].var(0)),
+             "b": ParamGradStats(d[:, 10:].mean(0), d[:, 10:].var(0))}  # fmt: skip
+    return GradientStats(stats, ["a", "b"], [], D, draws={"a": d[:, :10], "b": d[:, 10:]}), d
+
+
+def test_total_variance_is_the_trace_of_the_covariance():
+    import numpy as np
+
+    from pyro_gradroute.app.compare import total_variance
+
+    stats, d = _zero_mean_stats(0)
+    naive = np.cov(d.double().numpy(), rowvar=False).trace()  # two-pass covariance
+    assert total_variance(stats, ["a", "b"]) == pytest.approx(naive, rel=1e-5)
+    assert total_variance(stats, ["a"]) == pytest.approx(
+        np.cov(d[:, :10].double().numpy(), rowvar=False).trace(), rel=1e-5
+    )
+    assert math.isnan(total_variance(stats, []))
+
+
+def test_snr_interval_contains_the_estimate_where_percentiles_miss_it():
+    from pyro_gradroute.app.compare import snr_interval
+
+    missed = 0
+    for seed in range(20):
+        stats, _ = _zero_mean_stats(seed)
+        est = stats.snr(["a", "b"])
+        assert est == pytest.approx(1 / math.sqrt(20), rel=0.5)  # at the noise floor
+        lo, hi = snr_interval(stats, ["a", "b"], seed=seed)
+        assert lo <= est <= hi and hi > lo
+        p_lo, p_hi = stats.snr_interval(["a", "b"], seed=seed)  # plain percentiles
+        missed += not (p_lo <= est <= p_hi)
+    assert missed >= 15  # the bootstrap re-adds the bias: percentile intervals lie above
+
+
+def test_compare_reports_variance_floor_and_intervals():
+    (r,) = compare_estimators("gaussian_means", ["stl"], steps=3, snr_draws=4, num_samples=20,
+                              progress=False)  # fmt: skip
+    assert r.snr_floor == pytest.approx(0.5)
+    assert r.grad_var_guide > 0 and math.isfinite(r.grad_var_guide)
+    lo, hi = r.snr_guide_interval
+    assert lo <= r.snr_guide <= hi
+    table = format_table([r])
+    assert (
+        "tr Var guide" in table
+        and "SNR noise floor 1/sqrt(draws) = 0.5 (4 gradient draws)" in table
+    )
+
+
+def test_warmup_starts_every_estimator_from_the_same_parameters():
+    import pyro
+    import torch
+
+    from pyro_gradroute.app.compare import _builder, warm_start
+
+    build = _builder("gaussian_means")
+
+    def params():
+        store = pyro.get_param_store()
+        return {n: store[n].detach().clone() for n in store.keys()}
+
+    p, _ = warm_start(build, 3, 0, None)
+    p.guide(*p.args, **p.kwargs)  # the guide's parameters at the initialisation
+    init = params()
+    assert init
+    _, losses = warm_start(build, 3, 15, None)
+    first = params()
+    _, again = warm_start(build, 3, 15, None)
+    assert losses == again and len(losses) == 15
+    assert all(torch.equal(first[n], v) for n, v in params().items())
+    assert any(not torch.equal(init[n], first[n]) for n in init)  # the warm-up moved them
+    rows = compare_estimators("gaussian_means", ["trace", "stl"], steps=2, snr_draws=2,
+                              num_samples=20, progress=False, warmup_steps=15, seed=3)  # fmt: skip
+    assert rows[0].warmup_losses == rows[1].warmup_losses == losses
+    assert "after the same 15 Trace_ELBO warm-up steps" in format_table(rows)
+    with pytest.raises(ValueError, match="warmup_steps must be an integer >= 0"):
+        compare_estimators("gaussian_means", ["trace"], warmup_steps=-2)
