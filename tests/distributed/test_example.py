@@ -31,3 +31,18 @@ def test_distributed_vae_example_under_torchrun():
     assert "1 process  (1 thread):" in out and "2 processes (1 thread each):" in out
     assert "communication share" in out
     assert "params identical across ranks: True" in out
+
+
+def test_lightning_example_smoke_on_two_cpu_ranks():
+    """``python examples/lightning_svi.py --smoke``: Trainer(accelerator="cpu", devices=2,
+    strategy="ddp"). Needs the ``distributed`` extra (not part of ``test``: ~9 s)."""
+    import pytest
+
+    pytest.importorskip("pytorch_lightning")
+    cmd = [sys.executable, str(ROOT / "examples" / "lightning_svi.py"), "--smoke"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    out = proc.stdout
+    assert "2 rank(s), stl, N=1000, b=50 per rank, 10 steps" in out
+    assert "(smoke run: not converged)" in out
+    assert "params identical across ranks: True" in out
