@@ -504,7 +504,7 @@ def _transformed_log_prob(fn: TransformedDistribution, x: torch.Tensor) -> torch
     return log_prob + _sum_rightmost(base_lp, event_dim - base_event)
 
 
-def _evaluate(fn: Distribution, value: torch.Tensor, preimage, grad_mode: bool):
+def _evaluate(fn: Distribution, value: torch.Tensor, preimage, grad_mode: bool, raw=None):
     """``(target, v, ScoreParts at v, flow)``: one evaluation of ``fn``'s score parts at a detached copy.
 
     ``flow`` is ``None``, or for a flow evaluated forward along its path ``(g, score)``:
@@ -530,7 +530,46 @@ def _evaluate(fn: Distribution, value: torch.Tensor, preimage, grad_mode: bool):
         v._unquantize = unq.detach().requires_grad_(unq.requires_grad and grad_mode)
         return target, v._unquantize, _score_parts(fn, v), None
     v = value.detach().requires_grad_(value.requires_grad and grad_mode)
-    return value, v, _score_parts(fn, v), None
+    if _default_score_parts(fn):
+        return value, v, _score_parts(fn, v), None
+    try:
+        parts = fn.score_parts(v)
+    except AssertionError:
+        # a family whose score_parts read its sampler's state for the exact tensor it
+        # returned (RSVI's ShapeAugmentedGamma): take them there
+        parts = _sampled_score_parts(fn, v, value if raw is None else raw)
+    return value, v, parts, None
+
+
+def _sampled_score_parts(fn: Distribution, v: torch.Tensor, raw: torch.Tensor) -> ScoreParts:
+    """``fn.score_parts`` of a family that accepts only the tensor its sampler returned.
+
+    They are taken at ``raw``; their ``log_prob`` (and ``entropy_term``), which must be
+    ``fn.log_prob`` there, are re-evaluated at the detached ``v``; the score-function
+    term (the sampler's own, e.g. a rejection correction) is kept as it is.
+    """
+    name = type(fn).__name__
+    try:
+        at_raw = fn.score_parts(raw)
+    except AssertionError as e:
+        raise SplitNotSupported(
+            f"{name}.score_parts accepts neither a fixed copy of the sample nor the sample "
+            "itself, so its parts cannot be split"
+        ) from e
+    lp = fn.log_prob(v)
+    out = []
+    for part in (at_raw.log_prob, at_raw.entropy_term):
+        if torch.is_tensor(part):
+            if part.shape != lp.shape or not torch.equal(part.detach(), lp.detach()):
+                raise SplitNotSupported(
+                    f"{name}.score_parts accepts only the tensor its sampler returned and its "
+                    "log_prob (or entropy_term) is not the family's log_prob there, so it cannot "
+                    "be evaluated at a fixed copy of the sample"
+                )
+            out.append(lp)
+        else:
+            out.append(part)
+    return ScoreParts(out[0], at_raw.score_function, out[1])
 
 
 def _flow_candidate(fn) -> bool:
@@ -656,7 +695,7 @@ def split_score_parts(
     targets: list[torch.Tensor] = []
     target_index: list[int] = []
     ups_list: list[torch.Tensor] = []
-    for i, (fn, value, upstream, preimage) in enumerate(items):
+    for i, (fn, value, upstream, preimage, *sampled) in enumerate(items):
         if not isinstance(fn, Distribution):
             raise TypeError(
                 f"split_log_prob expects a torch.distributions.Distribution, got {type(fn).__name__}"
@@ -664,7 +703,8 @@ def split_score_parts(
         if not torch.is_tensor(value):
             raise TypeError(f"split_log_prob expects a tensor value, got {type(value).__name__}")
         try:
-            target, v, parts, flow = _evaluate(fn, value, preimage, grad_mode)
+            raw = sampled[0] if sampled else value
+            target, v, parts, flow = _evaluate(fn, value, preimage, grad_mode, raw)
         except (NotImplementedError, KeyError) as e:
             err = SplitNotSupported(
                 f"{type(fn).__name__}.log_prob cannot be evaluated at a fixed sample "

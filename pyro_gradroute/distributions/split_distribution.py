@@ -131,7 +131,7 @@ class SplitBatch:
             full = rec.fn.score_parts(rec.raw)
             return (full, ScoreParts(*(_stop(t) for t in full)), full.log_prob)
 
-        items = [(r.fn, r.value, r.upstream, r.preimage) for r in pending]
+        items = [(r.fn, r.value, r.upstream, r.preimage, r.raw) for r in pending]
         try:
             out = split_score_parts(items, group=self.group, on_error=on_error)
         except ValueError as e:
@@ -252,7 +252,16 @@ class SplitDistribution(TorchDistribution):
             raise AttributeError(name)
         return getattr(self.base_dist, name)
 
-    has_rsample = property(lambda self: self.base_dist.has_rsample)  # type: ignore[assignment]
+    @property  # type: ignore[override]
+    def has_rsample(self) -> bool:  # type: ignore[override]
+        return self.base_dist.has_rsample
+
+    @has_rsample.setter
+    def has_rsample(self, value: bool) -> None:
+        # Pyro's broadcast copies a site's custom ``has_rsample_`` onto the expanded
+        # distribution by assignment: it belongs to the base distribution
+        self.base_dist.has_rsample = bool(value)
+
     has_enumerate_support = property(lambda self: self.base_dist.has_enumerate_support)  # type: ignore[assignment]
     support = property(lambda self: self.base_dist.support)  # type: ignore[assignment]
     mean = property(lambda self: self.base_dist.mean)
@@ -302,7 +311,10 @@ class SplitDistribution(TorchDistribution):
         return self.base_dist.enumerate_support(expand=expand)
 
     def expand(self, batch_shape, _instance=None):
-        return SplitDistribution(self.base_dist.expand(batch_shape), self.batch, self.name)
+        base = self.base_dist.expand(batch_shape)
+        if base.has_rsample != self.base_dist.has_rsample:  # a custom has_rsample_
+            base.has_rsample = self.base_dist.has_rsample
+        return SplitDistribution(base, self.batch, self.name)
 
 
 @register_kl(SplitDistribution, Distribution)
