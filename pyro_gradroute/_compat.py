@@ -27,6 +27,7 @@ from pyro.poutine.subsample_messenger import _Subsample
 
 __all__ = [
     "Subsample",
+    "calling_elbo",
     "SameNameContainer",
     "is_deterministic_site",
     "param_store_leaves",
@@ -67,3 +68,24 @@ class SameNameContainer(PyroModule):
 
     def _pyro_set_supermodule(self, name: str, context) -> None:
         super()._pyro_set_supermodule(name.rpartition(".")[0], context)
+
+
+def calling_elbo(depth: int = 40):
+    """The innermost ``pyro.infer.ELBO`` instance whose method is on the call stack, if any.
+
+    Python has no public way for a guide's handler to know which estimator runs it; this
+    walks the frames (``sys._getframe``) and reads each one's ``self``.
+    """
+    import sys
+
+    from pyro.infer.elbo import ELBO
+
+    frame = sys._getframe(2)
+    for _ in range(depth):
+        if frame is None:
+            return None
+        obj = frame.f_locals.get("self")
+        if isinstance(obj, ELBO):
+            return obj
+        frame = frame.f_back
+    return None

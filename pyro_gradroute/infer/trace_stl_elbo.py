@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import warnings
-
-from ..poutine.stick_the_landing_messenger import uses_pathwise
+from ..poutine.pathwise import fill_score_parts, pathwise_score_parts
+from ..poutine.stick_the_landing_messenger import STLPolicy
 from .trace_elbo import Trace_ELBO
+from .traces import get_split_importance_trace, rng_state, set_rng_state
 
 
 class TraceSTL_ELBO(Trace_ELBO):
@@ -69,20 +69,51 @@ class TraceSTL_ELBO(Trace_ELBO):
         >>> loss = svi.step(torch.randn(10))
     """
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.num_particles < 1:
+            raise ValueError(
+                f"{type(self).__name__}: num_particles must be at least 1, got {self.num_particles}"
+            )
+        self._policy = STLPolicy(type(self).__name__)
+
     _splits = True
 
     def _needs_split(self, site) -> bool:
-        return uses_pathwise(site)
+        return self._policy.uses_pathwise(site)
 
-    def _pathwise(self, site) -> bool:  # the same mechanism as poutine.stick_the_landing
-        return uses_pathwise(site)
+    def _pathwise(self, site) -> bool:  # the same policy as poutine.stick_the_landing
+        return self._policy.uses_pathwise(site)
 
     def _split_fallback(self, site, error) -> bool:
-        warnings.warn(
-            f"TraceSTL_ELBO: guide site '{site.name}' cannot be split into score and "
-            f"pathwise parts ({error}); it gets the ordinary Trace_ELBO gradient instead "
-            "(unbiased, but not sticking the landing). Mark it infer={'stl': False} to "
-            "silence this.",
-            stacklevel=2,
-        )
+        return self._policy.fallback(site, error)
+
+    def _fill(self, guide_trace) -> bool:
+        """Set the STL sites' score parts from detached copies; ``False``: the general split is needed."""
+        parts = pathwise_score_parts(guide_trace, self._policy.uses_pathwise)
+        if parts is None:
+            return False
+        fill_score_parts(guide_trace, parts)
         return True
+
+    def _get_trace(self, model, guide, args, kwargs):
+        known = self._policy.needs_general(guide)
+        if not known:
+            # a guide not seen yet may need the general split: the second run then draws
+            # the same random numbers as the first
+            state = rng_state() if known is None else None
+            out = get_split_importance_trace(
+                self.max_plate_nesting,
+                model,
+                guide,
+                args,
+                kwargs,
+                needs_split=False,
+                fill=self._fill,
+            )
+            self._policy.mark(guide, general=out is None)
+            if out is not None:
+                return out
+            if state is not None:
+                set_rng_state(state)
+        return super()._get_trace(model, guide, args, kwargs)

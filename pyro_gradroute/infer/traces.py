@@ -20,7 +20,8 @@ from pyro import poutine
 from pyro.distributions.util import scale_and_mask
 from pyro.infer.util import is_validation_enabled
 from pyro.poutine.util import prune_subsample_sites
-from pyro.util import check_if_enumerated, check_model_guide_match, check_site_shape
+from pyro.util import check_if_enumerated, check_model_guide_match, check_site_shape, get_rng_state
+from pyro.util import set_rng_state as set_pyro_rng_state
 
 from ..distributions.split_distribution import SplitBatch, SplitDistribution
 from ..poutine.gated_distribution import unwrap_gates
@@ -40,6 +41,21 @@ def _check_finite(trace: poutine.Trace, role: str) -> None:
         "(e.g. a scale that is not positive) and its value; use constrained params "
         "(pyro.param(..., constraint=...)) for parameters with a restricted domain."
     )
+
+
+def rng_state() -> dict:
+    """Pyro's random state (torch, ``random``, numpy), with every initialized CUDA device's."""
+    state = get_rng_state()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    """Restore what :func:`rng_state` returned."""
+    set_pyro_rng_state(state)
+    if "cuda" in state:
+        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def site_parts(site):
@@ -73,6 +89,7 @@ def get_split_importance_trace(
     needs_split=None,
     fallback=None,
     pathwise=None,
+    fill=None,
 ):
     """Run the guide once and the model once against it; split the guide's log-densities.
 
@@ -83,6 +100,10 @@ def get_split_importance_trace(
         estimator uses (``False``: none, and the guide runs exactly as under Pyro's ELBOs), and ``fallback(record, error) -> bool`` for sites that cannot be
         split, and ``pathwise(record) -> bool`` for the sites whose ``score_parts`` carry
         the pathwise gradient (see :class:`~pyro_gradroute.distributions.split_distribution.SplitBatch`).
+    :param fill: optional ``guide_trace -> bool``, called (with ``needs_split=False``) before
+        the guide's score parts are computed, to set some sites' ``score_parts`` itself
+        (:func:`~pyro_gradroute.poutine.pathwise.fill_score_parts`); ``False`` means it
+        could not, and then this function returns ``None``.
     :returns: ``(model_trace, guide_trace)`` with log-probabilities computed.
     """
     batch = SplitBatch(needs_split, fallback, pathwise)
@@ -114,6 +135,8 @@ def get_split_importance_trace(
     model_trace = prune_subsample_sites(model_trace)
     unwrap_gates(model_trace)  # block_grad routes go to the routing engine, not the gates
     unwrap_gates(guide_trace)
+    if fill is not None and fill(guide_trace) is False:
+        return None
     guide_trace.compute_score_parts()  # the guide first: a NaN there is named as such
     if validate:
         _check_finite(guide_trace, "guide")

@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
-import sys
 import warnings
+import weakref
 from collections.abc import Callable
 
+import torch
+from pyro.distributions import TorchDistribution
+from torch.distributions import Distribution, kl_divergence, register_kl
+
+from .._compat import calling_elbo
+from ..distributions.detached import detached_copy
+from ..distributions.split import delta_base, reaches_leaf_directly
 from ..distributions.split_distribution import SplitBatch, SplitDistribution
-from .split_messenger import SplitMessenger
+from .gated_distribution import GatedDistribution
+from .pathwise import NeedsGeneralSplit, site_pathwise
+from .split_messenger import SplitMessenger, _split_of
+
+_EMPTY = torch.Size()
 
 
 def uses_pathwise(site) -> bool:
@@ -31,33 +42,186 @@ def uses_pathwise(site) -> bool:
     return not (stl is False or not has_rsample)
 
 
-def _split_fallback(rec, error) -> bool:
-    warnings.warn(
-        f"sticking the landing: guide site '{rec.name}' cannot be split into score and "
-        f"pathwise parts ({error}); it gets the ordinary gradient instead "
-        "(unbiased, but not sticking the landing). Mark it infer={'stl': False} to "
-        "silence this.",
-        stacklevel=2,
-    )
-    return True
+class STLPolicy:
+    """Which guide sites stick the landing, and how: shared by ``TraceSTL_ELBO`` and the handler.
 
+    * :meth:`uses_pathwise`: reparameterized sites do, unless marked
+      ``infer={"stl": False}``;
+    * :meth:`fallback`: a site that cannot be split gets the ordinary gradient, with a
+      warning naming it (once per site);
+    * :meth:`needs_general` / :meth:`mark_general`: the guides seen to need the general
+      split (relays, forward-carried flow rules), kept weakly; every other guide runs as
+      under Pyro, with the pathwise parts filled from detached copies
+      (:mod:`~pyro_gradroute.poutine.pathwise`).
 
-_IMPORTANCE_WEIGHTED = ("RenyiELBO", "ReweightedWakeSleep")
+    :param owner: the name the warnings use.
+    """
 
+    def __init__(self, owner: str):
+        self.owner = owner
+        self._general: weakref.WeakSet = weakref.WeakSet()
+        self._plain: weakref.WeakSet = weakref.WeakSet()
+        self._warned: set[str] = set()
 
-def _calling_importance_weighted_elbo() -> str | None:
-    """The name of a Pyro importance-weighted ELBO class on the call stack, if any."""
-    from pyro.infer import RenyiELBO, ReweightedWakeSleep
+    def uses_pathwise(self, site) -> bool:
+        return uses_pathwise(site)
 
-    frame = sys._getframe(2)
-    for _ in range(40):
-        if frame is None:
+    def fallback(self, rec, error) -> bool:
+        if rec.name not in self._warned:
+            self._warned.add(rec.name)
+            warnings.warn(
+                f"{self.owner}: guide site '{rec.name}' cannot be split into score and "
+                f"pathwise parts ({error}); it gets the ordinary Trace_ELBO gradient instead "
+                "(unbiased, but not sticking the landing). Mark it infer={'stl': False} to "
+                "silence this.",
+                stacklevel=3,
+            )
+        return True
+
+    def needs_general(self, guide) -> bool | None:
+        """True / False: the guide is known to need / not need the general split; None: unknown."""
+        try:
+            if guide in self._general:
+                return True
+            return False if guide in self._plain else None
+        except TypeError:  # unhashable
             return None
-        obj = frame.f_locals.get("self")
-        if isinstance(obj, (RenyiELBO, ReweightedWakeSleep)):
-            return type(obj).__name__
-        frame = frame.f_back
-    return None
+
+    def mark(self, guide, general: bool) -> None:
+        try:
+            (self._general if general else self._plain).add(guide)
+        except TypeError:  # unhashable or not weakly referenceable: found again next time
+            pass
+
+    def __getstate__(self) -> dict:
+        return {"owner": self.owner}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["owner"])
+
+
+def _allowed_elbos() -> tuple:
+    """The estimators whose gradient stays unbiased when the score part is dropped (exact types)."""
+    import pyro.infer as pi
+
+    from ..infer import Trace_ELBO, TraceSTL_ELBO
+
+    return (
+        pi.Trace_ELBO,
+        pi.JitTrace_ELBO,
+        pi.TraceGraph_ELBO,
+        pi.JitTraceGraph_ELBO,
+        pi.TraceEnum_ELBO,
+        pi.JitTraceEnum_ELBO,
+        pi.TraceMeanField_ELBO,
+        pi.JitTraceMeanField_ELBO,
+        Trace_ELBO,
+        TraceSTL_ELBO,
+    )
+
+
+def check_elbo(elbo) -> None:
+    """Raise unless ``elbo`` (the estimator running the guide, or None) is one STL is valid in."""
+    if elbo is None or type(elbo) in _allowed_elbos():
+        return
+    raise ValueError(
+        f"stick_the_landing cannot be used with {type(elbo).__name__}: sticking the landing "
+        "drops the score part of log q, which leaves the gradient unbiased only in the "
+        "ELBOs that take log q's gradient as a plain sum: pyro.infer.Trace_ELBO, "
+        "TraceGraph_ELBO, TraceEnum_ELBO, TraceMeanField_ELBO (and their Jit versions) and "
+        "pyro_gradroute.infer.Trace_ELBO. An estimator whose particle weights depend on log q "
+        "(RenyiELBO, ReweightedWakeSleep, TraceTailAdaptive_ELBO) would be biased: use "
+        "pyro_gradroute.infer.TraceDReG_ELBO (doubly-reparameterized gradients) with the plain "
+        "guide, or pyro_gradroute.infer.TraceSTL_ELBO."
+    )
+
+
+class PathwiseDistribution(TorchDistribution):
+    """``base_dist``, whose ``log_prob`` and ``score_parts`` at its own draw carry only the pathwise gradient.
+
+    Everything else (sampling, shapes, support, ``log_prob`` at any other value) is
+    ``base_dist``'s. The parts are computed when first asked for
+    (:func:`~pyro_gradroute.poutine.pathwise.site_pathwise`), from the samples the guide
+    drew before this one.
+    """
+
+    arg_constraints: dict = {}
+
+    def __init__(self, base_dist, run: _Run, name: str):
+        self.base_dist = base_dist
+        self._run = run
+        self._name = name
+        self._value = None
+        self._parts = None
+        super().__init__(base_dist.batch_shape, base_dist.event_shape, validate_args=False)
+
+    def __getattr__(self, name):
+        if name in ("base_dist", "_run", "_name", "_value", "_parts"):
+            raise AttributeError(name)
+        return getattr(self.base_dist, name)
+
+    @property
+    def has_rsample(self):  # type: ignore[override]
+        return self.base_dist.has_rsample
+
+    @has_rsample.setter
+    def has_rsample(self, value):
+        self.base_dist.has_rsample = value
+
+    has_enumerate_support = property(lambda self: self.base_dist.has_enumerate_support)  # type: ignore[assignment]
+    support = property(lambda self: self.base_dist.support)  # type: ignore[assignment]
+    mean = property(lambda self: self.base_dist.mean)
+    variance = property(lambda self: self.base_dist.variance)
+
+    def rsample(self, sample_shape=_EMPTY):
+        self._value = self.base_dist.rsample(sample_shape)
+        return self._value
+
+    def sample(self, sample_shape=_EMPTY):
+        self._value = self.base_dist.sample(sample_shape)
+        return self._value
+
+    def expand(self, batch_shape, _instance=None):
+        return PathwiseDistribution(self.base_dist.expand(batch_shape), self._run, self._name)
+
+    def enumerate_support(self, expand=True):
+        return self.base_dist.enumerate_support(expand=expand)
+
+    def _pathwise(self, value):
+        if value is None or value is not self._value or self._parts is None:
+            return None
+        parts = self._parts
+        if callable(parts):
+            parts = self._parts = parts()
+        return parts
+
+    def log_prob(self, value, *args, **kwargs):
+        parts = self._pathwise(value)
+        return self.base_dist.log_prob(value, *args, **kwargs) if parts is None else parts.log_prob
+
+    def score_parts(self, value, *args, **kwargs):
+        parts = self._pathwise(value)
+        return self.base_dist.score_parts(value, *args, **kwargs) if parts is None else parts
+
+
+@register_kl(PathwiseDistribution, Distribution)
+def _kl_pathwise(p: PathwiseDistribution, q: Distribution) -> torch.Tensor:
+    """An analytic KL (``TraceMeanField_ELBO``) is the base distribution's: it has no sampling noise."""
+    return kl_divergence(p.base_dist, q)
+
+
+class _Run:
+    """The samples of one guide run, in draw order (what later sites may read)."""
+
+    def __init__(self) -> None:
+        self.earlier: list[torch.Tensor] = []
+        self.nodes: dict = {}
+        self.changed = False
+
+    def add(self, value) -> None:
+        if torch.is_tensor(value) and value.grad_fn is not None:
+            self.nodes[value.grad_fn] = len(self.earlier)
+            self.earlier.append(value)
 
 
 class StickTheLandingMessenger(SplitMessenger):
@@ -99,35 +263,107 @@ class StickTheLandingMessenger(SplitMessenger):
     """
 
     def __init__(self) -> None:
-        super().__init__(SplitBatch(uses_pathwise, _split_fallback, uses_pathwise))
+        self._policy = STLPolicy("sticking the landing")
+        super().__init__(self._new_batch())
+        self._fast = False  # the first run takes the general split and finds what the guide needs
+        self._run = _Run()
         self._warned = False
 
+    def _new_batch(self) -> SplitBatch:
+        p = self._policy
+        return SplitBatch(p.uses_pathwise, p.fallback, p.uses_pathwise)
+
     def __enter__(self):
-        name = _calling_importance_weighted_elbo()
-        if name is not None:
-            raise ValueError(
-                f"stick_the_landing cannot be used with pyro.infer.{name}: an "
-                "importance-weighted bound differentiates log q inside its weights, and "
-                "dropping the score part there biases the gradient. Use "
-                "pyro_gradroute.infer.TraceDReG_ELBO (doubly-reparameterized gradients: the "
-                "importance-weighted counterpart of sticking the landing) with the plain guide."
-            )
-        self.batch = SplitBatch(uses_pathwise, _split_fallback, uses_pathwise)
+        check_elbo(calling_elbo())
+        if self._fast:
+            self._run = _Run()
+        else:
+            self.batch = self._new_batch()
         return super().__enter__()
 
-    def __exit__(self, *args):
-        if (
-            not self._warned
-            and args[0] is None
-            and not any(r.stl for r in self.batch.records.values())
-        ):
-            self._warned = True
-            warnings.warn(
-                "stick_the_landing: the guide has no reparameterized site, so sticking the "
-                "landing changes nothing (its sites keep the score-function estimator).",
-                stacklevel=2,
+    # -- the fast path: Pyro's own draws, pathwise parts from detached copies ---------------
+    def _pyro_sample(self, msg) -> None:
+        if not self._fast:
+            return super()._pyro_sample(msg)
+        if not self._latent(msg) or msg["value"] is not None:
+            return  # observed, or a value another handler supplies (the model, under replay)
+        fn = _split_of(msg["fn"])
+        if isinstance(fn, (PathwiseDistribution, SplitDistribution)):
+            return
+        wrapped = PathwiseDistribution(fn, self._run, msg["name"])
+        if isinstance(msg["fn"], GatedDistribution):
+            msg["fn"] = GatedDistribution(wrapped, msg["fn"].specs)
+        else:
+            msg["fn"] = wrapped
+
+    def _pyro_post_sample(self, msg) -> None:
+        if not self._fast:
+            return super()._pyro_post_sample(msg)
+        fn = _split_of(msg["fn"])
+        if not isinstance(fn, PathwiseDistribution) or fn._run is not self._run:
+            return
+        value = msg["value"]
+        if value is not fn._value:
+            raise ValueError(
+                f"stick_the_landing: the value of guide site '{msg['name']}' is not the sample "
+                "its distribution drew: another handler outside the guide replaced it (e.g. "
+                "poutine.replay), or the handler wraps the model instead of the guide. Wrap the "
+                "guide only: SVI(model, stick_the_landing(guide), ...)."
             )
+        if self._policy.uses_pathwise(msg):
+            run, earlier, nodes = self._run, list(self._run.earlier), dict(self._run.nodes)
+            base, name = fn.base_dist, msg["name"]
+
+            def parts():
+                try:
+                    return site_pathwise(name, base, value, earlier, nodes)
+                except NeedsGeneralSplit:
+                    self._fast = False  # the guide changed: the next run takes the general split
+                    warnings.warn(
+                        f"sticking the landing: guide site '{name}' needs the general split, "
+                        "which this run did not prepare; it gets the ordinary gradient in this "
+                        "step (unbiased) and sticks the landing from the next step on.",
+                        stacklevel=3,
+                    )
+                    return None
+
+            fn._parts = parts
+            run.changed = run.changed or delta_base(base) is None
+        self._run.add(value)
+
+    def __exit__(self, *args):
+        if args[0] is None:
+            if self._fast:
+                changed = self._run.changed
+            else:
+                changed = any(
+                    r.stl and delta_base(r.fn) is None for r in self.batch.records.values()
+                )
+                self._fast = _fast_enough(self.batch)
+            if not changed and not self._warned:
+                self._warned = True
+                warnings.warn(
+                    "stick_the_landing: the guide has no reparameterized site with a random draw "
+                    "(only Delta or non-reparameterized sites), so sticking the landing changes "
+                    "nothing.",
+                    stacklevel=2,
+                )
         return super().__exit__(*args)
+
+
+def _fast_enough(batch: SplitBatch) -> bool:
+    """Whether every STL site of a general run can take the fast path next time."""
+    for rec in batch.records.values():
+        if not rec.stl:
+            continue
+        d = delta_base(rec.fn)
+        if d is not None:
+            ld = d.log_density
+            if torch.is_tensor(ld) and ld.requires_grad and reaches_leaf_directly(ld, rec.upstream):
+                return False
+        elif hasattr(rec.raw, "_unquantize") or detached_copy(rec.fn, rec.raw) is None:
+            return False
+    return True
 
 
 def stick_the_landing(fn: Callable | None = None) -> StickTheLandingMessenger | Callable:

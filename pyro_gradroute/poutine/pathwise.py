@@ -1,0 +1,162 @@
+r"""The pathwise parts of a guide's sites, from Pyro's plain guide trace.
+
+Sticking the landing replaces each reparameterized guide site's ``score_parts`` by
+its pathwise part :math:`\log q(z; \bot(\phi))`, the ordinary value with the direct
+dependence on the parameters stopped. The cheapest exact mechanism is chosen per site:
+
+* a plain family whose parameters are not computed from earlier samples: one
+  evaluation of a detached copy at the live sample
+  (:func:`~pyro_gradroute.distributions.detached.detached_copy`); no custom node;
+* a plain family whose parameters read earlier samples :math:`u` (a conditional guide
+  :math:`q(z_2 \mid z_1)`): the split node of
+  :func:`~pyro_gradroute.distributions.split.split_score_parts`, which also sends the
+  partials :math:`\partial \log q / \partial u` to the samples read. The samples read
+  are found by walking the parameters' graph, stopping at earlier samples; when they
+  depend on each other the node turns total derivatives into partials, so no sample
+  needs a cut point;
+* anything else (flows, families with their own ``score_parts``, straight-through
+  samples, Delta sites whose density depends on parameters directly): the general
+  split with relays (:class:`~pyro_gradroute.poutine.split_messenger.SplitMessenger`).
+  :func:`pathwise_score_parts` then answers ``None`` and the caller runs the guide that
+  way instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from pyro.distributions.score_parts import ScoreParts
+from pyro.poutine.util import site_is_subsample
+
+from ..distributions.detached import detached_copy, param_tensors
+from ..distributions.split import (
+    SplitNotSupported,
+    delta_base,
+    reaches_leaf_directly,
+    split_score_parts,
+)
+
+__all__ = ["frontier", "latent_site", "pathwise_score_parts", "site_pathwise"]
+
+
+def latent_site(site: dict) -> bool:
+    """A guide sample site with a random draw of its own (not observed, subsample or enumerated)."""
+    return (
+        site["type"] == "sample"
+        and not site["is_observed"]
+        and not site_is_subsample(site)
+        and not site["infer"].get("enumerate")
+    )
+
+
+def frontier(tensors: list[torch.Tensor], earlier: dict) -> list[int]:
+    """Indices (in ``earlier``: autograd node -> index) of the earlier samples ``tensors`` read.
+
+    The walk stops at those samples' nodes: a sample read only through another one is not
+    listed.
+    """
+    if not earlier:
+        return []
+    hit: set[int] = set()
+    stack = [t.grad_fn for t in tensors if t.grad_fn is not None]
+    seen = set(stack)
+    while stack:
+        node = stack.pop()
+        i = earlier.get(node)
+        if i is not None:
+            hit.add(i)
+            continue
+        for f, _ in node.next_functions:
+            if f is not None and f not in seen:
+                seen.add(f)
+                stack.append(f)
+    return sorted(hit)
+
+
+class NeedsGeneralSplit(Exception):
+    """A site whose pathwise part needs the general split (relays and forward-carried rules)."""
+
+
+def site_pathwise(name: str, fn, value: torch.Tensor, earlier: list[torch.Tensor], nodes: dict):
+    """The pathwise :class:`~pyro.distributions.score_parts.ScoreParts` of one site (unscaled).
+
+    ``None``: the site needs no split (a Delta computed from earlier draws: its ordinary
+    parts are all pathwise). Raises :class:`NeedsGeneralSplit` where the general split
+    is needed.
+    """
+    d = delta_base(fn)
+    if d is not None:
+        ld = d.log_density
+        if torch.is_tensor(ld) and ld.requires_grad and reaches_leaf_directly(ld, earlier):
+            raise NeedsGeneralSplit(name)
+        return None
+    if hasattr(value, "_unquantize"):  # straight-through: the density is at the relaxed value
+        raise NeedsGeneralSplit(name)
+    copy = detached_copy(fn, value)
+    if copy is None:
+        raise NeedsGeneralSplit(name)
+    params = param_tensors(fn)
+    if params and not value.requires_grad and torch.is_grad_enabled():
+        raise ValueError(
+            f"guide site '{name}': its value does not depend on its distribution's parameters, "
+            "so it was not drawn by that distribution (another handler, e.g. poutine.replay "
+            "or poutine.condition around the guide, replaced it). Sticking the landing needs "
+            "the sample the guide drew; remove that handler, or mark the site "
+            "infer={'stl': False} to give it the ordinary gradient."
+        )
+    ups = frontier(params, nodes)
+    if not ups:
+        lp = copy.log_prob(value)
+        return ScoreParts(lp, 0, lp)
+    if torch.jit.is_tracing():
+        raise NotImplementedError(
+            f"guide site '{name}': its density depends on earlier guide samples (a "
+            "conditional guide), whose pathwise path cannot be kept inside a program traced "
+            "by the JIT. Use the non-JIT ELBO (Trace_ELBO, TraceGraph_ELBO, TraceEnum_ELBO) "
+            "with stick_the_landing, or pyro_gradroute.infer.TraceSTL_ELBO."
+        )
+    upstream = [earlier[i] for i in ups]
+    try:
+        ((_, path, _),) = split_score_parts([(fn, value, upstream, None)], dependent_ok=True)
+    except SplitNotSupported as e:
+        raise NeedsGeneralSplit(name) from e
+    return path
+
+
+def pathwise_score_parts(
+    guide_trace, uses_pathwise: Callable[[dict], bool]
+) -> dict[str, ScoreParts] | None:
+    """``{site: pathwise ScoreParts, unscaled}`` for the guide sites that take only their pathwise gradient.
+
+    ``None`` if some site needs the general split (see the module docstring).
+    """
+    out: dict[str, ScoreParts] = {}
+    earlier: list[torch.Tensor] = []
+    nodes: dict = {}
+    for name, site in guide_trace.nodes.items():
+        if not latent_site(site):
+            continue
+        value = site["value"]
+        if uses_pathwise(site) and torch.is_tensor(value):
+            try:
+                parts = site_pathwise(name, site["fn"], value, earlier, nodes)
+            except NeedsGeneralSplit:
+                return None
+            if parts is not None:
+                out[name] = parts
+        if torch.is_tensor(value) and value.grad_fn is not None:
+            nodes[value.grad_fn] = len(earlier)
+            earlier.append(value)
+    return out
+
+
+def fill_score_parts(guide_trace, parts: dict[str, ScoreParts]) -> None:
+    """Set the sites' ``score_parts`` (and ``log_prob``...) as ``Trace.compute_score_parts`` would."""
+    for name, p in parts.items():
+        site = guide_trace.nodes[name]
+        site["unscaled_log_prob"] = p.log_prob
+        p = p.scale_and_mask(site["scale"], site["mask"])
+        site["score_parts"] = p
+        site["log_prob"] = p.log_prob
+        site["log_prob_sum"] = p.log_prob.sum()
