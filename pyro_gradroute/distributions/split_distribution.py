@@ -169,7 +169,17 @@ def _traced_split(rec: SiteRecord) -> tuple:
         check_delta_density(rec)
         return full, full, full.log_prob
     v = rec.raw.detach()
-    score = rec.fn.score_parts(v)
+    try:
+        score = rec.fn.score_parts(v)
+    except (NotImplementedError, KeyError) as e:
+        raise SplitNotSupported(
+            f"guide site '{rec.name}': {type(rec.fn).__name__}.log_prob cannot be evaluated at "
+            f"a fixed sample ({type(e).__name__}: {e}), which a program traced by the JIT needs "
+            "for the split (a flow with a transform without an inverse: Planar, Radial, "
+            "Sylvester, ...). Use the non-JIT ELBO (Trace_ELBO, TraceGraph_ELBO, "
+            "TraceEnum_ELBO) with stick_the_landing, or pyro_gradroute.infer.TraceSTL_ELBO, "
+            "which carry the pathwise gradient forward without an inverse."
+        ) from e
     if rec.upstream and _reached(score.log_prob, rec.upstream):
         raise NotImplementedError(
             f"guide site '{rec.name}': its density depends on earlier guide samples (a "
