@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
+import numbers
 import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -89,7 +90,8 @@ def solve_settings(rtol: float | None = None, max_iter: int | None = None) -> It
     stops shrinking below :math:`\sqrt{\epsilon}` (the round-off floor), or after
     :math:`D` iterations (exact in exact arithmetic: the strictly triangular part is
     nilpotent). It raises :class:`FlowSolveError` (naming the residual) if ``max_iter``
-    iterations are reached first, or on a non-finite residual. Default ``rtol``:
+    iterations are reached first, or on a non-finite residual. ``max_iter`` must be a
+    positive integer and ``rtol`` in ``[0, 1)`` (else ``ValueError``). Default ``rtol``:
     ``1e-12`` in float64, ``1e-6`` in float32.
 
     Example::
@@ -97,6 +99,17 @@ def solve_settings(rtol: float | None = None, max_iter: int | None = None) -> It
         >>> with solve_settings(rtol=1e-8):
         ...     pass  # TraceSTL_ELBO / TraceDReG_ELBO steps here use rtol=1e-8
     """
+    if rtol is not None and (
+        isinstance(rtol, bool) or not isinstance(rtol, numbers.Real) or not 0 <= rtol < 1
+    ):
+        raise ValueError(f"solve_settings: rtol must be a number in [0, 1), got {rtol!r}")
+    if max_iter is not None and (
+        isinstance(max_iter, bool) or not isinstance(max_iter, numbers.Integral) or max_iter < 1
+    ):
+        raise ValueError(
+            f"solve_settings: max_iter must be a positive integer, got {max_iter!r} "
+            "(None: the dimension D, exact in exact arithmetic)"
+        )
     old = _Settings(_SETTINGS.rtol, _SETTINGS.max_iter)
     if rtol is not None:
         _SETTINGS.rtol = float(rtol)
@@ -277,7 +290,21 @@ def register_flow_rule(*transform_types: type, rule: str = "", cost: str = ""):
         True
     """
 
+    if not transform_types:
+        raise TypeError(
+            "register_flow_rule needs at least one transform class: "
+            "@register_flow_rule(MyTransform, rule=..., cost=...)"
+        )
+    bad = [t for t in transform_types if not (isinstance(t, type) and issubclass(t, TT.Transform))]
+    if bad:
+        raise TypeError(
+            f"register_flow_rule expects torch Transform classes, got {bad[0]!r}; pass the class "
+            "itself: @register_flow_rule(MyTransform, rule=..., cost=...)"
+        )
+
     def deco(fn):
+        if not callable(fn):
+            raise TypeError(f"register_flow_rule: the rule must be a function, got {fn!r}")
         for t in transform_types:
             _RULES[t] = fn
             if rule:
