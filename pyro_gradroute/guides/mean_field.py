@@ -160,6 +160,12 @@ class AutoMeanField(AutoGuide):
                     raise TypeError(f"AutoMeanField: family for site {site!r}: {e}") from None
         elif isinstance(family, type):
             as_pyro_family(family)
+        elif isinstance(family, Distribution):
+            raise TypeError(
+                f"AutoMeanField: family must be a distribution class, got an instance "
+                f"{family!r}; pass the class itself (family={type(family).__name__}), whose "
+                "parameters the guide learns"
+            )
         elif not callable(family):
             raise TypeError(
                 "AutoMeanField: family must be a distribution class, a dict {site: class} or a "
@@ -174,6 +180,18 @@ class AutoMeanField(AutoGuide):
         self.family = family
         self.init_loc_fn = init_loc_fn
         self._init_scale = float(init_scale)
+        if init_params is not None and not isinstance(init_params, Mapping):
+            raise TypeError(
+                "AutoMeanField: init_params must be a dict {site: {arg: value}}, got "
+                f"{type(init_params).__name__}"
+            )
+        for site, args in (init_params or {}).items():
+            if not isinstance(args, Mapping):
+                raise TypeError(
+                    f"AutoMeanField: init_params[{site!r}] must be a dict {{arg: constrained "
+                    f"value}} naming the factor's arguments (e.g. {{'loc': 0.0, 'scale': 1.0}}), "
+                    f"got {args!r}"
+                )
         self.init_params = {k: dict(v) for k, v in (init_params or {}).items()}
         self.allow_score_function = allow_score_function
         self._factors: dict[str, _Factor] = {}
