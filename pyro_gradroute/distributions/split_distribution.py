@@ -31,6 +31,7 @@ from .split import (
     reaches_leaf_directly,
     split_score_parts,
 )
+from .structured import StructuredNotSupported, calling_structured_guide, structured_pathwise
 
 _EMPTY = torch.Size()
 
@@ -49,6 +50,10 @@ class SiteRecord:
     split: bool = False
     stl: bool = False  # score_parts carry the pathwise gradient
     parts: tuple | None = None  # (full ScoreParts, pathwise ScoreParts, score tensor)
+    # a site of AutoStructured / AutoGaussian (the guide that sampled it), see .structured
+    owner: object = None
+    point: bool = False  # an AutoStructured "delta" conditional: no density of its own
+    owner_error: str | None = None  # why its pathwise part is not available
 
 
 class SplitBatch:
@@ -93,6 +98,8 @@ class SplitBatch:
             self.needs_split is None or self.needs_split(rec)
         )
         rec.stl = rec.split and self.pathwise is not None and self.pathwise(rec)
+        if rec.split and _param_density_delta(fn):
+            rec.owner = calling_structured_guide()
         self.records[name] = rec
         if rec.split:
             self._pending.append(rec)
@@ -120,8 +127,6 @@ class SplitBatch:
         for rec in deltas:
             full = rec.fn.score_parts(rec.raw)
             rec.parts = (full, full, full.log_prob)
-            if rec.stl:
-                check_delta_density(rec)
 
         def on_error(i, err):
             rec = pending[i]
@@ -145,6 +150,30 @@ class SplitBatch:
             rec.parts = parts
             if rec.stl and rec.split:
                 check_delta_density(rec)
+        owners = {id(r.owner): r.owner for r in deltas if r.owner is not None}
+        for owner in owners.values():
+            self._structured(owner)
+        check_auxiliary_links(self)
+        for rec in deltas:
+            if rec.stl:
+                check_delta_density(rec)
+
+    def _structured(self, owner) -> None:
+        """Pathwise parts of a structured guide's sites (its auxiliary draws and Deltas)."""
+        mine = [r for r in self.records.values() if r.owner is owner]
+        try:
+            parts = structured_pathwise(owner, self.records)
+        except StructuredNotSupported as e:
+            for r in mine:
+                r.owner_error = str(e)
+            return
+        for name, (lp, point) in parts.items():
+            rec = self.records[name]
+            rec.owner, rec.point = owner, point
+            if lp is None:
+                continue
+            full = rec.parts[0]
+            rec.parts = (full, ScoreParts(lp, _stop(full.score_function), lp), rec.parts[2])
 
     def score_parts(self, rec: SiteRecord) -> ScoreParts:
         """What ``score_parts`` answers at the recorded sample (pathwise for ``stl`` sites)."""
@@ -166,6 +195,14 @@ def _traced_split(rec: SiteRecord) -> tuple:
     """
     full = rec.fn.score_parts(rec.raw)
     if delta_base(rec.fn) is not None:  # all pathwise, as in the one-pass split
+        if rec.owner is not None:
+            raise NotImplementedError(
+                f"guide site '{rec.name}': a Delta of {type(rec.owner).__name__} (its "
+                "log_density depends on the guide's parameters), whose pathwise part the "
+                "split cannot compute inside a program traced by the JIT. Use the non-JIT ELBO "
+                "(Trace_ELBO, TraceGraph_ELBO, TraceEnum_ELBO) with stick_the_landing, or "
+                "pyro_gradroute.infer.TraceSTL_ELBO."
+            )
         check_delta_density(rec)
         return full, full, full.log_prob
     v = rec.raw.detach()
@@ -199,6 +236,12 @@ def _traced_split(rec: SiteRecord) -> tuple:
     return full, pathwise, score.log_prob
 
 
+def _param_density_delta(fn) -> bool:
+    """A Delta whose ``log_density`` carries a gradient (a Jacobian term)."""
+    d = delta_base(fn)
+    return d is not None and torch.is_tensor(d.log_density) and d.log_density.requires_grad
+
+
 def check_delta_density(rec: SiteRecord) -> None:
     """Raise if a Delta site's ``log_density`` depends on parameters other than through earlier draws.
 
@@ -206,9 +249,16 @@ def check_delta_density(rec: SiteRecord) -> None:
     (a Jacobian correction) is part of ``log q``. When it depends only on earlier
     draws (AutoNormal, AutoDiagonalNormal, AutoMultivariateNormal, ...) its whole
     gradient is pathwise, through those draws. When it depends on the guide's
-    parameters directly (``AutoStructured``: ``-log|scale|``), the pathwise part at a
-    fixed value needs the inverse of the guide's map, which is not available.
+    parameters directly, the pathwise part at a fixed value needs the guide's map:
+    ``AutoStructured`` and ``AutoGaussian`` (dense) sites get it from
+    :mod:`~pyro_gradroute.distributions.structured` (their map is affine in the
+    auxiliary draw); any other such Delta, or one of those guides in a form that cannot
+    be made exact, raises here.
     """
+    if rec.owner is not None:
+        if rec.owner_error is not None:
+            raise ValueError(rec.owner_error)
+        return
     d = delta_base(rec.fn)
     if d is None or not torch.is_tensor(d.log_density) or not d.log_density.requires_grad:
         return
@@ -221,6 +271,50 @@ def check_delta_density(rec: SiteRecord) -> None:
             "importance-weighted bound) with this guide, or a guide whose Deltas are "
             "functions of earlier draws only (AutoNormal, AutoMultivariateNormal, ...)."
         )
+
+
+def check_auxiliary_links(batch: SplitBatch) -> None:
+    """Raise if a site's density reads an auxiliary Delta whose value depends on parameters directly.
+
+    In ``w = sample("w", Delta(c + d * z0), infer={"is_auxiliary": True})`` read by
+    ``z2 ~ q(. | w)``, ``w`` is no latent of the model: ``c`` and ``d`` are parameters
+    of the conditional density ``q(z2 | z0)``. Its pathwise part holds them fixed, but
+    the split treats ``w`` as a sample (a cut point), and the gradient it sends to
+    ``w`` would reach ``c`` and ``d`` through ``w``'s value: part of the score part,
+    kept silently. Computing ``c + d * z0`` inside the guide without a sample site gives
+    the exact split (``z2``'s parameters then read ``z0`` directly).
+    """
+    aux = {
+        id(r.value): r
+        for r in batch.records.values()
+        if r.infer.get("is_auxiliary")
+        and r.owner is None
+        and delta_base(r.fn) is not None
+        and torch.is_tensor(r.raw)
+        and r.raw.requires_grad
+        and reaches_leaf_directly(r.raw, r.upstream)
+    }
+    if not aux:
+        return
+    for rec in batch.records.values():
+        if not (rec.split and rec.upstream and rec.parts is not None):
+            continue
+        score = rec.parts[2]
+        if not (torch.is_tensor(score) and score.requires_grad):
+            continue
+        for i in _reached(score, rec.upstream):
+            w = aux.get(id(rec.upstream[i]))
+            if w is not None:
+                raise ValueError(
+                    f"guide site '{rec.name}' reads the auxiliary Delta site '{w.name}', whose "
+                    "value depends on the guide's parameters directly: those parameters are "
+                    f"parameters of '{rec.name}''s conditional density, whose pathwise part "
+                    f"holds them fixed, but the path through '{w.name}''s value would keep "
+                    "them (part of the score part, so the estimator would not stick the "
+                    f"landing). Compute '{w.name}''s value in the guide without a sample site "
+                    "(the split then keeps only the path through the draws it reads), or use "
+                    "pyro_gradroute.infer.Trace_ELBO with this guide."
+                )
 
 
 def _stop(t):

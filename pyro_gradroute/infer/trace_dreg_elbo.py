@@ -157,9 +157,11 @@ class TraceDReG_ELBO(RoutedELBO):
     **Not covered** (each raises a ``ValueError`` naming the site): a guide site without
     ``rsample`` whose density depends on parameters (auxiliary sites included), a
     distribution with its own score-function term (``Rejector``), a Delta whose
-    ``log_density`` depends on parameters directly (``AutoStructured``), a Delta value
-    that depends both on draws and directly on parameters, and a conditional link
-    between draws whose scales differ. Use :class:`pyro.infer.RenyiELBO` there.
+    ``log_density`` depends on parameters directly (other than ``AutoStructured``'s and
+    ``AutoGaussian``'s, whose Deltas and auxiliary draws are taken as one reparameterized
+    draw of the joint :math:`q(z)`), a Delta value that depends both on draws and directly
+    on parameters, and a conditional link between draws whose scales differ. Use
+    :class:`pyro.infer.RenyiELBO` there.
 
     Example::
 
@@ -331,6 +333,19 @@ class TraceDReG_ELBO(RoutedELBO):
             and s["value"].requires_grad
             and not is_delta(_base(s["fn"]))
         }
+        # a structured guide (AutoStructured, AutoGaussian): its Deltas and auxiliary draws
+        # are one reparameterized draw of the joint q(z) (see distributions.structured)
+        structured = {n for n, r in records.items() if r is not None and r.owner is not None}
+        for n in structured:
+            if records[n].point and self.num_particles > 1:
+                raise ValueError(
+                    f"{type(self).__name__}: guide site '{n}' is an AutoStructured 'delta' "
+                    "conditional: its value depends both on parameters directly and on the "
+                    "guide's random draws (through its dependencies), whose "
+                    "doubly-reparameterized weights differ. Use the 'normal' or 'mvn' "
+                    "conditional for it, or pyro.infer.RenyiELBO(alpha=0) with this guide."
+                )
+        draws |= {n for n in structured if not records[n].point}
         factors: dict = {}
         for n in draws:
             factors[n] = self._draw_factor(w, c[n])

@@ -139,6 +139,14 @@ def pathwise_score_parts(
             continue
         value = site["value"]
         if uses_pathwise(site) and torch.is_tensor(value):
+            if (
+                site["infer"].get("is_auxiliary")
+                and delta_base(site["fn"]) is not None
+                and value.requires_grad
+                and reaches_leaf_directly(value, earlier)
+            ):
+                # an auxiliary Delta computed from parameters: the general split checks it
+                return None
             try:
                 parts = site_pathwise(name, site["fn"], value, earlier, nodes)
             except NeedsGeneralSplit:

@@ -1,0 +1,316 @@
+r"""Pathwise parts of Pyro's structured guides (``AutoStructured``, ``AutoGaussian``).
+
+These guides draw auxiliary noise, map it to each latent's unconstrained value by an
+affine map (a shear for ``AutoStructured``'s dependencies), push it through
+``biject_to(support)`` and record each latent as a ``Delta`` whose ``log_density`` is
+minus the log-Jacobian of that map. Their joint log-density is
+
+.. math::
+
+    \log q(z; \phi) = \sum_a \log q_a(\hat\epsilon_a(z; \phi)) + \sum_s \text{log\_density}_s(z; \phi),
+
+with :math:`\hat\epsilon(z; \phi)` the noise that maps to :math:`z`. Its pathwise part
+:math:`\log q(z; \bot(\phi))` at the live sample needs :math:`\hat\epsilon` with the
+parameters stopped and the sample live. The maps are affine in the noise, so this needs no
+inverse of the guide: per site, the live unconstrained value :math:`u_s = a_s + m_s` (the
+guide's own arithmetic, rerun with live parameters, no ``biject_to`` inverse) gives
+
+.. math::
+
+    \hat a_s = u_s - \bot(m_s), \qquad
+    \hat\epsilon_s = \bot(A_s)^{-1}\Big(\hat a_s - \sum_{p} \bot(\text{dep}_{sp})(\hat a_p)\Big),
+
+(``AutoStructured``: :math:`A_s` the diagonal ``scale`` or ``scale_tril * scale``, a
+triangular solve; a dependency module is called with its parameters stopped, so it may
+be non-linear: a shear needs no inverse) or :math:`\hat x_s = (u_s - \bot(m_s)) / \bot(\sigma_s)`
+(``AutoGaussian``, dense backend, whose noise is the joint Gaussian draw). The gradient of
+this is the forward-carried rule :math:`g_u = A^{-T}(g_\epsilon - \partial \log|\det A| /
+\partial\epsilon)` with :math:`\log|\det A|` constant in the noise. The values are the
+guide's own (the recomputation only supplies the gradient), and every recomputed value is
+checked against the trace's, so a guide that does not follow this arithmetic raises
+instead of giving a wrong gradient.
+
+Recognition: the ``Delta`` site must be sampled by ``AutoStructured.forward`` or
+``AutoGaussian.forward`` themselves (found on the call stack by their code objects, at
+the sample statement), with Pyro's own ``get_deltas`` / ``_transform_values`` /
+``_sample_aux_values``. Anything else (a subclass that changes them, ``AutoStructured``
+with a callable conditional, ``AutoGaussian``'s funsor backend) raises a ``ValueError``
+naming the site.
+"""
+
+from __future__ import annotations
+
+import sys
+from operator import attrgetter
+
+import torch
+from torch.distributions import biject_to
+
+__all__ = ["StructuredNotSupported", "calling_structured_guide", "structured_pathwise"]
+
+
+class StructuredNotSupported(ValueError):
+    """A structured guide whose pathwise part cannot be computed exactly."""
+
+
+def _guide_codes() -> dict:
+    from pyro.infer.autoguide import AutoStructured
+    from pyro.infer.autoguide.gaussian import AutoGaussian
+
+    return {
+        AutoStructured.forward.__code__: AutoStructured,
+        AutoGaussian.forward.__code__: AutoGaussian,
+    }
+
+
+_CODES: dict | None = None
+
+
+def calling_structured_guide(max_depth: int = 48):
+    """The ``AutoStructured`` / ``AutoGaussian`` whose ``forward`` is executing a sample statement now, or None.
+
+    Called from a messenger while the guide's ``pyro.sample`` statement is processed: it
+    looks for the guide's ``forward`` frame (by code object identity) a few frames up.
+    """
+    global _CODES
+    if _CODES is None:
+        _CODES = _guide_codes()
+    frame = sys._getframe(1)
+    for _ in range(max_depth):
+        if frame is None:
+            return None
+        cls = _CODES.get(frame.f_code)
+        if cls is not None:
+            guide = frame.f_locals.get("self")
+            return guide if isinstance(guide, cls) else None
+        frame = frame.f_back
+    return None
+
+
+def _stopped_call(module, x):
+    """``module(x)`` with the module's parameters (and buffers) detached: gradient to ``x`` only."""
+    if not isinstance(module, torch.nn.Module):
+        return None
+    params = {k: v.detach() for k, v in module.named_parameters()}
+    params.update({k: v for k, v in module.named_buffers()})
+    return torch.func.functional_call(module, params, (x,))
+
+
+def _tol(t: torch.Tensor) -> tuple[float, float]:
+    return (1e-9, 1e-9) if t.dtype == torch.float64 else (2e-4, 2e-4)
+
+
+def _check_close(name: str, what: str, got: torch.Tensor, want: torch.Tensor, scale=1.0) -> None:
+    rtol, atol = _tol(want)
+    if got.shape != want.shape and torch.broadcast_shapes(got.shape, want.shape) != want.shape:
+        ok = False
+    else:
+        ok = bool(torch.allclose(got.detach(), want.detach(), rtol=rtol, atol=atol * scale))
+    if not ok:
+        raise StructuredNotSupported(
+            f"guide site '{name}': its {what} could not be reproduced from the structured "
+            "guide's parameters (a subclass or handler changed how the guide computes it), so "
+            "its pathwise part is not available and dropping the score part would bias the "
+            "gradient. Use pyro_gradroute.infer.Trace_ELBO (or pyro.infer.RenyiELBO) with "
+            "this guide."
+        )
+
+
+def _live(orig: torch.Tensor, recomputed: torch.Tensor) -> torch.Tensor:
+    """``orig``'s value with ``recomputed``'s gradient."""
+    return orig.detach() + (recomputed - recomputed.detach())
+
+
+def structured_pathwise(guide, records: dict) -> dict:
+    """``{site name: (pathwise log_prob, is_point)}`` of a structured guide's sites in ``records``.
+
+    ``records``: the batch's :class:`~pyro_gradroute.distributions.split_distribution.SiteRecord`
+    by name (``raw``: the sample, ``parts[0]``: the full score parts, already evaluated for
+    the auxiliary sites). ``is_point``: a Delta site of ``AutoStructured``'s ``"delta"``
+    conditional (a deterministic function of parameters and upstream noise, no density).
+    Raises :class:`StructuredNotSupported` naming the site where it cannot be exact.
+    """
+    from pyro.infer.autoguide import AutoStructured
+    from pyro.infer.autoguide.gaussian import AutoGaussian, AutoGaussianDense
+
+    if isinstance(guide, AutoStructured):
+        if type(guide).get_deltas is not AutoStructured.get_deltas:
+            raise StructuredNotSupported(_override_msg(guide, "get_deltas"))
+        return _autostructured(guide, records)
+    if isinstance(guide, AutoGaussian):
+        name = next(iter(n for n, s in guide._factors.items() if not s["is_observed"]), "?")
+        if not isinstance(guide, AutoGaussianDense):
+            raise StructuredNotSupported(
+                f"guide site '{name}': {type(guide).__name__} (AutoGaussian with a backend other "
+                "than 'dense') draws its auxiliary values by a sampler whose pathwise part is "
+                "not available, and dropping the score part would bias the gradient. Use "
+                "AutoGaussian(model, backend='dense') (or AutoMultivariateNormal) with this "
+                "estimator, or pyro_gradroute.infer.Trace_ELBO with this guide."
+            )
+        for meth in (
+            "_transform_values",
+            "_sample_aux_values",
+            "_dense_unflatten",
+            "_dense_flatten",
+        ):
+            if getattr(type(guide), meth) is not getattr(AutoGaussianDense, meth):
+                raise StructuredNotSupported(_override_msg(guide, meth))
+        return _autogaussian(guide, records)
+    raise StructuredNotSupported(f"unsupported structured guide {type(guide).__name__}")
+
+
+def _override_msg(guide, meth: str) -> str:
+    return (
+        f"{type(guide).__name__} overrides {meth}, so the pathwise part of its Delta sites "
+        "(whose log_density depends on the guide's parameters) is not available and dropping "
+        "the score part would bias the gradient. Use pyro_gradroute.infer.Trace_ELBO with this "
+        "guide, or Pyro's own AutoStructured / AutoGaussian."
+    )
+
+
+def _record(records: dict, name: str, what: str):
+    rec = records.get(name)
+    if rec is None or not torch.is_tensor(rec.raw):
+        raise StructuredNotSupported(
+            f"guide site '{name}' ({what}) is not in this guide run as the structured guide "
+            "records it (renamed, or hidden by a handler), so the pathwise part of its Delta "
+            "sites is not available. Use pyro_gradroute.infer.Trace_ELBO with this guide."
+        )
+    return rec
+
+
+def _autostructured(g, records: dict) -> dict:
+    out: dict = {}
+    live: dict = {}  # aux_values with live parameters (the guide's own arithmetic)
+    hat: dict = {}  # aux_values recovered from the live sample, parameters stopped
+    for name, site in g._sorted_sites:
+        rec = _record(records, name, "a latent")
+        cond = g.conditionals[name]
+        loc = attrgetter(name)(g.locs)
+        if callable(cond) or cond not in ("delta", "normal", "mvn"):
+            raise StructuredNotSupported(
+                f"guide site '{name}': AutoStructured's conditional {cond!r} for it is not "
+                "'delta', 'normal' or 'mvn', so its pathwise part is not available and "
+                "dropping the score part would bias the gradient. Use the 'normal' or 'mvn' "
+                "conditional, or pyro_gradroute.infer.Trace_ELBO with this guide."
+            )
+        deps = attrgetter(name)(g.deps)
+        ups = list(g.dependencies.get(name, {}))
+        if cond == "delta":
+            a = torch.zeros_like(loc)
+        else:
+            aux = _record(records, name + "_aux", "its auxiliary draw")
+            eps = aux.raw
+            if eps.requires_grad:
+                raise StructuredNotSupported(
+                    f"guide site '{name}_aux': AutoStructured's auxiliary draw depends on "
+                    "parameters (a handler changed it), so the pathwise part of site "
+                    f"'{name}' is not available. Use pyro_gradroute.infer.Trace_ELBO."
+                )
+            scale = attrgetter(name)(g.scales)
+            scale0 = scale.detach()
+            if cond == "normal":
+                a = eps * scale
+                ld0 = (-scale0.log()).expand_as(a)
+            else:
+                tril = attrgetter(name)(g.scale_trils)
+                tril0 = tril.detach()
+                a = eps @ tril.T * scale
+                ld0 = (-tril0.diagonal(dim1=-2, dim2=-1).log() - scale0.log()).expand_as(a)
+        for up in ups:
+            a = a + attrgetter(up)(deps)(live[up])
+        live[name] = a
+        batch_shape = torch.broadcast_shapes(a.shape[:-1], g._batch_shapes[name])
+        flat = a + loc
+        u = flat.reshape(batch_shape + g._unconstrained_event_shapes[name])
+        transform = biject_to(site["fn"].support)
+        value = transform(u)
+        _check_close(name, "value", value, rec.raw)
+        if cond == "delta":
+            # a point: no density; its aux value downstream is a function of upstream noise
+            r = torch.zeros_like(loc)
+            for up in ups:
+                y = _stopped_call(attrgetter(up)(deps), hat[up])
+                if y is None:
+                    raise StructuredNotSupported(_dep_msg(name, up))
+                r = r + y
+            hat[name] = r
+            out[name] = (None, True)
+            continue
+        a_hat = flat - loc.detach()
+        hat[name] = a_hat
+        r = a_hat
+        for up in ups:
+            y = _stopped_call(attrgetter(up)(deps), hat[up])
+            if y is None:
+                raise StructuredNotSupported(_dep_msg(name, up))
+            r = r - y
+        r = r / scale0
+        if cond == "mvn":
+            r = torch.linalg.solve_triangular(tril0, r.unsqueeze(-1), upper=False).squeeze(-1)
+        _check_close(name + "_aux", "auxiliary draw", r, eps, scale=1.0 + eps.abs().max().item())
+        aux_full = aux.parts[0].log_prob
+        out[name + "_aux"] = (_live(aux_full, aux.fn.log_prob(r)), False)
+        ld = ld0.reshape(batch_shape + (-1,)).sum(-1)
+        ld = ld + transform.inv.log_abs_det_jacobian(value, u)
+        d = _delta(rec.fn)
+        _check_close(name, "log_density", ld, torch.as_tensor(d.log_density).expand(ld.shape))
+        out[name] = (_live(rec.parts[0].log_prob, ld.expand(rec.parts[0].log_prob.shape)), False)
+    return out
+
+
+def _dep_msg(name: str, up: str) -> str:
+    return (
+        f"guide site '{name}': AutoStructured's dependency on '{up}' is a callable that is not "
+        "a torch.nn.Module, so it cannot be evaluated with its parameters stopped and the "
+        "pathwise part is not available. Use dependencies='linear' or an nn.Module, or "
+        "pyro_gradroute.infer.Trace_ELBO with this guide."
+    )
+
+
+def _delta(fn):
+    from .split import delta_base
+
+    return delta_base(fn)
+
+
+def _autogaussian(g, records: dict) -> dict:
+    from pyro.distributions import MultivariateNormal
+
+    aux_name = f"_{g._pyro_name}_latent"
+    aux = _record(records, aux_name, "the auxiliary Gaussian draw")
+    fn = aux.fn
+    if not isinstance(fn, MultivariateNormal):
+        raise StructuredNotSupported(
+            f"guide site '{aux_name}': AutoGaussian's auxiliary draw is a "
+            f"{type(fn).__name__}, not the MultivariateNormal the dense backend draws, so "
+            "the pathwise part is not available. Use pyro_gradroute.infer.Trace_ELBO."
+        )
+    x = g._dense_unflatten(aux.raw)
+    out: dict = {}
+    x_hat: dict = {}
+    for name, site in g._factors.items():
+        if site["is_observed"]:
+            continue
+        rec = _record(records, name, "a latent")
+        loc = attrgetter(name)(g.locs)
+        scale = attrgetter(name)(g.scales)
+        u = x[name] * scale + loc
+        transform = biject_to(site["fn"].support)
+        value = transform(u)
+        _check_close(name, "value", value, rec.raw)
+        x_hat[name] = (u - loc.detach()) / scale.detach()
+        ld = transform.inv.log_abs_det_jacobian(value, u) - scale.detach().log().reshape(
+            site["fn"].batch_shape + (-1,)
+        ).sum(-1)
+        d = _delta(rec.fn)
+        _check_close(name, "log_density", ld, torch.as_tensor(d.log_density).expand(ld.shape))
+        out[name] = (_live(rec.parts[0].log_prob, ld.expand(rec.parts[0].log_prob.shape)), False)
+    for name in g._dense_shapes:
+        if name not in x_hat:  # an observed site's block (its values are the data)
+            x_hat[name] = x[name].detach()
+    flat_hat = g._dense_flatten(x_hat)
+    _check_close(aux_name, "auxiliary draw", flat_hat, aux.raw, 1.0 + aux.raw.abs().max().item())
+    stopped = MultivariateNormal(fn.loc.detach(), scale_tril=fn.scale_tril.detach())
+    out[aux_name] = (_live(aux.parts[0].log_prob, stopped.log_prob(flat_hat)), False)
+    return out
