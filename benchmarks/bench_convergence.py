@@ -1,0 +1,507 @@
+"""Convergence on real models at fixed budgets: Pyro's Trace_ELBO against this package's estimators.
+
+Run: ``python benchmarks/bench_convergence.py --quick`` (under 10 minutes on 2 cores) or
+``--full`` (every model at its script's settings); ``--json PATH`` writes the results.
+
+Models (each built afresh from the seed, so every estimator of a seed index starts from the
+same initialisation and draws from the same seed: paired seeds):
+
+* ``eight_schools``: Pyro's ``examples/eight_schools/svi.py`` -- its model, its guide with the
+  ``0.1 * rand`` scales, Adam lr 0.01, 1000 steps (``eta``'s parameters of shape ``(J,)``,
+  not the script's ``(J, 1)``, and ``.to_event(1)`` on each site: the script predates Pyro's
+  shape validation, which refuses it as written);
+* ``regression``: the Bayesian-regression tutorial's ``PyroModule[nn.Linear]`` model with
+  ``AutoDiagonalNormal``, Adam lr 0.03, 1000 steps, on scikit-learn's bundled diabetes data
+  (features and target standardized; 20% held out);
+* ``vae``: Pyro's ``vae.py`` architecture on the binarized 8x8 digits
+  (:mod:`pyro_gradroute.app.models.digits_vae`), Adam lr 3e-3; held-out log p(x) by
+  importance sampling (100 draws per test digit);
+* ``gmm``: a two-component Gaussian mixture as in Pyro's GMM tutorial (``config_enumerate``,
+  assignments enumerated under ``TraceEnum_ELBO``), with a continuous ``AutoNormal`` guide on
+  weights, locations and scale; lr 0.05;
+* ``stoch_vol``: a 100-day stochastic-volatility model (AR(1) log-variance, non-centred
+  innovations), ``AutoNormal``, lr 0.01;
+* ``glm``: a hierarchical logistic regression with random intercepts for 20 groups
+  (simulated), ``AutoNormal``, lr 0.01; 20% of the points held out.
+
+Estimators (a registry: one line each): ``trace`` (Pyro's ``Trace_ELBO``; ``TraceEnum_ELBO``
+for the mixture), ``stl`` (``TraceSTL_ELBO``; for the mixture Pyro's ``TraceEnum_ELBO`` with
+the guide under ``stick_the_landing``), ``trace->stl`` (Pyro's ``Trace_ELBO`` for the first
+30% of the steps, then STL, written here as a schedule), ``adaptive``
+(``TraceAdaptiveSTL_ELBO()`` with its defaults), and for the VAE ``iwae`` (Pyro's
+``RenyiELBO(alpha=0, num_particles=8)``) and ``dreg`` (``TraceDReG_ELBO(num_particles=8)``).
+
+Reported per model x estimator, over the seeds:
+
+* ``ELBO``: the final ELBO of the fitted guide, a plain ``Trace_ELBO``-style estimate (the
+  mean of ``log p(x, z) - log q(z)``) from ``--final-draws`` guide draws (2000 in ``--full``;
+  the VAE: per digit, from ``final_draws / 100`` draws for each training digit, 20 in
+  ``--full``; its cheap estimate one draw per digit) -- the same yardstick for
+  every row, the K > 1 rows included; mean and its SE across seeds;
+* ``d vs trace``: the paired difference to Pyro's ``Trace_ELBO`` (same seed), mean and SE;
+* ``held-out``: VAE: held-out log p(x) per digit; regression and glm: held-out predictive
+  log-likelihood (log of the guide-averaged likelihood, summed over the held-out points);
+* ``t to trace``: CPU seconds of training (``time.thread_time``; evaluation excluded) until
+  the cheap estimate, taken every ``eval_every`` steps, first reaches the cheap estimate of
+  ``Trace_ELBO``'s last evaluation on the same seed (median over the seeds that reach it;
+  ``n/N`` reached);
+* ``d @ equal time``: the cheap estimate at the last evaluation within ``Trace_ELBO``'s total
+  training CPU time, minus ``Trace_ELBO``'s last cheap estimate (paired, mean and SE);
+* ``ms/step``: mean CPU time per training step (``time.thread_time``).
+
+``--quick``: 5 seeds, 30% of each model's steps (``trace->stl`` switches at 30% of those),
+300 final draws (the VAE: 3 per training digit, its steps 150 and held-out 50 draws),
+evaluations every 10% of the steps with 10 draws. ``--full``: 5 seeds, the script's steps,
+2000 final draws, every 50 steps. One torch thread throughout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pyro
+import pyro.distributions as dist
+import torch
+from pyro import poutine
+from pyro.infer import SVI, RenyiELBO, Trace_ELBO, TraceEnum_ELBO, config_enumerate
+from pyro.infer.autoguide import AutoDiagonalNormal, AutoNormal
+from pyro.nn import PyroModule, PyroSample
+from torch.distributions import constraints, transforms
+
+from pyro_gradroute.infer import TraceAdaptiveSTL_ELBO, TraceDReG_ELBO, TraceSTL_ELBO
+from pyro_gradroute.poutine import stick_the_landing
+
+
+# ----------------------------------------------------------------------------- models
+@dataclass
+class Problem:
+    model: Callable
+    guide: Callable
+    args: tuple
+    steps: int
+    lr: float
+    enum: bool = False  # TraceEnum_ELBO (enumerated discrete sites)
+    max_plate_nesting: int = 1
+    vectorizes: bool = True  # whether the ELBO estimate may run vectorized over draws
+    heldout: Callable[[int], float] | None = None  # draws -> held-out metric
+    final: Callable[[int], float] | None = None  # draws -> final ELBO (default: generic)
+
+
+def eight_schools(seed: int) -> Problem:
+    """Pyro's examples/eight_schools/svi.py (model, guide, init, lr, steps; eta's shape fixed)."""
+    J = 8
+    y = torch.tensor([28.0, 8.0, -3.0, 7.0, -1.0, 1.0, 18.0, 12.0])
+    sigma = torch.tensor([15.0, 10.0, 16.0, 11.0, 9.0, 11.0, 10.0, 18.0])
+    data = torch.stack([y, sigma], dim=1)
+
+    def model(data):
+        y, sigma = data[:, 0], data[:, 1]
+        eta = pyro.sample("eta", dist.Normal(torch.zeros(J), torch.ones(J)).to_event(1))
+        mu = pyro.sample("mu", dist.Normal(torch.zeros(1), 10 * torch.ones(1)).to_event(1))
+        tau = pyro.sample("tau", dist.HalfCauchy(scale=25 * torch.ones(1)).to_event(1))
+        theta = mu + tau * eta
+        pyro.sample("obs", dist.Normal(theta, sigma).to_event(1), obs=y)
+
+    def guide(data):
+        # the script's (J, 1) shapes broadcast against the model's (J,) eta, and its
+        # batch dims are in no plate, which Pyro's validation (on by default since 1.4)
+        # refuses: (J,) here, and .to_event(1) on every site (the same density)
+        m_eta = pyro.param("loc_eta", torch.randn(J))
+        s_eta = pyro.param("scale_eta", 0.1 * torch.rand(J), constraint=constraints.positive)
+        m_mu = pyro.param("loc_mu", torch.randn(1))
+        s_mu = pyro.param("scale_mu", 0.1 * torch.rand(1), constraint=constraints.positive)
+        m_tau = pyro.param("loc_logtau", torch.randn(1))
+        s_tau = pyro.param("scale_logtau", 0.1 * torch.rand(1), constraint=constraints.positive)
+        pyro.sample("eta", dist.Normal(m_eta, s_eta).to_event(1))
+        pyro.sample("mu", dist.Normal(m_mu, s_mu).to_event(1))
+        tau = dist.TransformedDistribution(dist.Normal(m_tau, s_tau), transforms.ExpTransform())
+        pyro.sample("tau", tau.to_event(1))
+
+    return Problem(model, guide, (data,), 1000, 0.01, vectorizes=False)
+
+
+def _standardized(x, y, seed=0):
+    x = torch.as_tensor(x, dtype=torch.float32)
+    y = torch.as_tensor(y, dtype=torch.float32)
+    x = (x - x.mean(0)) / x.std(0)
+    y = (y - y.mean()) / y.std()
+    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
+    n = int(0.8 * len(x))
+    return x[perm[:n]], y[perm[:n]], x[perm[n:]], y[perm[n:]]
+
+
+def _predictive_ll(model, guide, train_args, test_args, draws: int) -> float:
+    """log of the guide-averaged likelihood of the held-out data, summed over its points."""
+    lls = []
+    with torch.no_grad():
+        for _ in range(draws):
+            tr = poutine.trace(guide).get_trace(*train_args)
+            mt = poutine.trace(poutine.replay(model, trace=tr)).get_trace(*test_args)
+            lls.append(sum(s["fn"].log_prob(s["value"]) for s in mt.nodes.values()
+                           if s["type"] == "sample" and s["is_observed"]))  # fmt: skip
+    ll = torch.stack(lls)  # (draws, n_test)
+    return float((ll.logsumexp(0) - math.log(draws)).sum())
+
+
+def regression(seed: int) -> Problem:
+    """The Bayesian-regression tutorial's model on the diabetes data."""
+    from sklearn.datasets import load_diabetes
+
+    d = load_diabetes()
+    xtr, ytr, xte, yte = _standardized(d.data, d.target)
+
+    class BayesianRegression(PyroModule):
+        def __init__(self, in_features, out_features):
+            super().__init__()
+            self.linear = PyroModule[torch.nn.Linear](in_features, out_features)
+            self.linear.weight = PyroSample(
+                dist.Normal(0.0, 1.0).expand([out_features, in_features]).to_event(2)
+            )
+            self.linear.bias = PyroSample(dist.Normal(0.0, 10.0).expand([out_features]).to_event(1))
+
+        def forward(self, x, y=None):
+            sigma = pyro.sample("sigma", dist.Uniform(0.0, 10.0))
+            mean = self.linear(x).squeeze(-1)
+            with pyro.plate("data", x.shape[0]):
+                pyro.sample("obs", dist.Normal(mean, sigma), obs=y)
+            return mean
+
+    model = BayesianRegression(xtr.shape[1], 1)
+    guide = AutoDiagonalNormal(model)
+    return Problem(model, guide, (xtr, ytr), 1000, 0.03, vectorizes=False,
+                   heldout=lambda n: _predictive_ll(model, guide, (xtr, ytr), (xte, yte), n))  # fmt: skip
+
+
+def vae(seed: int) -> Problem:
+    from pyro_gradroute.app.models.digits_vae import VAE, load_binarized_digits
+
+    train, test = load_binarized_digits()
+    v = VAE()
+
+    def per_point_log_w(x, draws):
+        with torch.no_grad():
+            h = v.encoder(x)
+            q = dist.Normal(h[:, : v.z_dim], h[:, v.z_dim :].exp()).to_event(1)
+            z = q.sample((draws,))
+            prior = dist.Normal(torch.zeros(v.z_dim), 1.0).to_event(1)
+            lik = dist.Bernoulli(logits=v.decoder(z)).to_event(1).log_prob(x)
+            return prior.log_prob(z) + lik - q.log_prob(z)  # (draws, n)
+
+    def final(draws):
+        return float(per_point_log_w(train, draws).mean())  # ELBO per digit
+
+    def heldout(draws):
+        lw = per_point_log_w(test, draws)
+        return float((lw.logsumexp(0) - math.log(draws)).mean())  # log p(x) per test digit
+
+    return Problem(v.model, v.guide, (train,), 1000, 3e-3, final=final, heldout=heldout)
+
+
+def gmm(seed: int) -> Problem:
+    g = torch.Generator().manual_seed(1)
+    data = torch.cat([torch.randn(60, generator=g) - 2.0, 0.7 * torch.randn(40, generator=g) + 3.0])
+    K = 2
+
+    @config_enumerate
+    def model(data):
+        weights = pyro.sample("weights", dist.Dirichlet(0.5 * torch.ones(K)))
+        scale = pyro.sample("scale", dist.LogNormal(0.0, 2.0))
+        with pyro.plate("components", K):
+            locs = pyro.sample("locs", dist.Normal(0.0, 10.0))
+        with pyro.plate("data", len(data)):
+            assignment = pyro.sample("assignment", dist.Categorical(weights))
+            pyro.sample("obs", dist.Normal(locs[assignment], scale), obs=data)
+
+    guide = AutoNormal(poutine.block(model, hide=["assignment"]))
+    return Problem(model, guide, (data,), 500, 0.05, enum=True, vectorizes=False)
+
+
+def stoch_vol(seed: int) -> Problem:
+    T = 100
+    g = torch.Generator().manual_seed(2)
+    h, hs = 0.0, []
+    for _ in range(T):
+        h = -1.0 + 0.95 * (h + 1.0) + 0.3 * float(torch.randn((), generator=g))
+        hs.append(h)
+    y = torch.tensor(hs).div(2).exp() * torch.randn(T, generator=g)
+
+    def model(y):
+        mu = pyro.sample("mu", dist.Normal(0.0, 2.0))
+        sigma = pyro.sample("sigma", dist.HalfNormal(1.0))
+        eps = pyro.sample("eps", dist.Normal(0.0, 1.0).expand([T]).to_event(1))
+        phi = 0.95
+        hs = []
+        mu_, sigma_ = mu.unsqueeze(-1), sigma.unsqueeze(-1)
+        h = mu_ + sigma_ / math.sqrt(1 - phi**2) * eps[..., :1]
+        hs.append(h)
+        for t in range(1, T):
+            h = mu_ + phi * (h - mu_) + sigma_ * eps[..., t : t + 1]
+            hs.append(h)
+        h = torch.cat(hs, -1)
+        pyro.sample("y", dist.Normal(0.0, (h / 2).exp()).to_event(1), obs=y)
+
+    return Problem(model, AutoNormal(model), (y,), 1000, 0.01, max_plate_nesting=0)
+
+
+def glm(seed: int) -> Problem:
+    G, n_per, P = 20, 20, 3
+    g = torch.Generator().manual_seed(3)
+    group = torch.arange(G).repeat_interleave(n_per)
+    x = torch.randn(G * n_per, P, generator=g)
+    a = 0.5 + 1.0 * torch.randn(G, generator=g)
+    logits = a[group] + x @ torch.tensor([1.0, -0.5, 0.25])
+    y = torch.bernoulli(torch.sigmoid(logits), generator=g)
+    perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(4))
+    tr, te = perm[: int(0.8 * len(y))], perm[int(0.8 * len(y)) :]
+
+    def model(x, group, y=None):
+        mu_a = pyro.sample("mu_a", dist.Normal(0.0, 2.0))
+        sigma_a = pyro.sample("sigma_a", dist.HalfNormal(1.0))
+        beta = pyro.sample("beta", dist.Normal(0.0, 1.0).expand([P]).to_event(1))
+        with pyro.plate("groups", G):
+            a = pyro.sample("a", dist.Normal(mu_a, sigma_a))
+        logits = a[..., group] + (x * beta).sum(-1)
+        with pyro.plate("data", len(group)):
+            pyro.sample("y", dist.Bernoulli(logits=logits), obs=y)
+
+    guide = AutoNormal(model)
+    train, test = (x[tr], group[tr], y[tr]), (x[te], group[te], y[te])
+    return Problem(model, guide, train, 1000, 0.01,
+                   heldout=lambda n: _predictive_ll(model, guide, train, test, n))  # fmt: skip
+
+
+MODELS: dict[str, Callable[[int], Problem]] = {
+    "eight_schools": eight_schools,
+    "regression": regression,
+    "vae": vae,
+    "gmm": gmm,
+    "stoch_vol": stoch_vol,
+    "glm": glm,
+}
+
+
+# ----------------------------------------------------------------------------- estimators
+def _stl(p: Problem):
+    if p.enum:  # Pyro's TraceEnum_ELBO with the guide under stick_the_landing
+        return TraceEnum_ELBO(max_plate_nesting=p.max_plate_nesting), stick_the_landing(p.guide)
+    return TraceSTL_ELBO(), p.guide
+
+
+def _trace(p: Problem):
+    if p.enum:
+        return TraceEnum_ELBO(max_plate_nesting=p.max_plate_nesting), p.guide
+    return Trace_ELBO(), p.guide
+
+
+def _switch(first, then, fraction: float):
+    """A schedule: ``first`` for ``fraction`` of the steps, then ``then``."""
+
+    def make(p):
+        a, b = first(p), then(p)
+        return lambda step, total: a if step < fraction * total else b
+
+    return make
+
+
+def _always(make):
+    """A schedule of one estimator, built once per problem."""
+
+    def build(p):
+        e = make(p)
+        return lambda step, total: e
+
+    return build
+
+
+def _adaptive(p: Problem):
+    if p.enum:
+        return None  # not applicable: no enumeration in the adaptive estimator
+    return TraceAdaptiveSTL_ELBO(), p.guide
+
+
+#: name -> (problem -> (step, total) -> (elbo, guide)); models a row applies to (None: all)
+ESTIMATORS: dict[str, tuple[Callable, set | None]] = {
+    "trace": (_always(_trace), None),
+    "stl": (_always(_stl), None),
+    "trace->stl": (_switch(_trace, _stl, 0.3), None),
+    "adaptive": (_always(_adaptive), None),
+    "iwae": (
+        _always(
+            lambda p: (
+                RenyiELBO(alpha=0, num_particles=8, vectorize_particles=True, max_plate_nesting=1),
+                p.guide,
+            )
+        ),
+        {"vae"},
+    ),  # fmt: skip
+    "dreg": (
+        _always(lambda p: (TraceDReG_ELBO(num_particles=8, max_plate_nesting=1), p.guide)),
+        {"vae"},
+    ),  # fmt: skip
+}
+
+
+# ----------------------------------------------------------------------------- measuring
+def elbo_estimate(p: Problem, draws: int) -> float:
+    """Mean of ``log p(x, z) - log q(z)`` over ``draws`` guide draws (no gradients)."""
+    if p.final is not None:
+        return p.final(max(1, draws // 100))  # per digit: a draw for each training digit
+    with torch.no_grad():
+        if p.enum:
+            elbo = TraceEnum_ELBO(num_particles=draws, max_plate_nesting=p.max_plate_nesting)
+        elif p.vectorizes:
+            elbo = Trace_ELBO(num_particles=draws, vectorize_particles=True,
+                              max_plate_nesting=p.max_plate_nesting)  # fmt: skip
+        else:
+            elbo = Trace_ELBO(num_particles=draws)
+        return -elbo.loss(p.model, p.guide, *p.args)
+
+
+def run_cell(model: str, est: str, seed: int, cfg: dict) -> dict | None:
+    pyro.clear_param_store()
+    pyro.set_rng_seed(seed)
+    p = MODELS[model](seed)
+    steps = cfg["steps"](model, p.steps)
+    schedule = ESTIMATORS[est][0](p)
+    if schedule(0, steps) is None:
+        return None
+    every = max(1, steps // cfg["evals"])
+    optim = pyro.optim.Adam({"lr": p.lr})
+    cpu, history, current, svi = 0.0, [], None, None
+    for step in range(steps):
+        elbo, guide = schedule(step, steps)
+        if elbo is not current:  # a new estimator (a schedule's switch): same optimizer
+            svi, current = SVI(p.model, guide, optim, elbo), elbo
+        t0 = time.thread_time()
+        svi.step(*p.args)
+        cpu += time.thread_time() - t0
+        if (step + 1) % every == 0 or step + 1 == steps:
+            history.append((step + 1, cpu, elbo_estimate(p, cfg["eval_draws"])))
+    out = {
+        "elbo": elbo_estimate(p, cfg["final_draws"]),
+        "history": history,
+        "cpu": cpu,
+        "ms_per_step": 1000 * cpu / steps,
+    }
+    if p.heldout is not None:
+        out["heldout"] = p.heldout(cfg["heldout_draws"])
+    return out
+
+
+def _mse(xs):
+    xs = [x for x in xs if x is not None and math.isfinite(x)]
+    if not xs:
+        return math.nan, math.nan
+    se = statistics.stdev(xs) / math.sqrt(len(xs)) if len(xs) > 1 else math.nan
+    return statistics.mean(xs), se
+
+
+def summarize(results: dict) -> list[dict]:
+    rows = []
+    for model, by_est in results.items():
+        base = by_est.get("trace")
+        for est, runs in by_est.items():
+            if not runs:
+                continue
+            row = {"model": model, "estimator": est, "seeds": len(runs)}
+            row["elbo"], row["elbo_se"] = _mse([r["elbo"] for r in runs])
+            row["ms_per_step"] = statistics.mean(r["ms_per_step"] for r in runs)
+            if runs[0].get("heldout") is not None:
+                row["heldout"], row["heldout_se"] = _mse([r["heldout"] for r in runs])
+            if base:
+                row["diff"], row["diff_se"] = _mse(
+                    [r["elbo"] - b["elbo"] for r, b in zip(runs, base)]
+                )
+                reach, eq = [], []
+                for r, b in zip(runs, base):
+                    target = b["history"][-1][2]
+                    t = next((c for _, c, e in r["history"] if e >= target), None)
+                    if t is not None:
+                        reach.append(t)
+                    within = [e for _, c, e in r["history"] if c <= b["cpu"]]
+                    eq.append((within[-1] if within else r["history"][0][2]) - target)
+                row["t_reach"] = statistics.median(reach) if reach else math.nan
+                row["reached"] = f"{len(reach)}/{len(runs)}"
+                row["diff_eq_time"], row["diff_eq_time_se"] = _mse(eq)
+            rows.append(row)
+    return rows
+
+
+def _f(x, spec=".2f"):
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+
+def markdown(rows: list[dict]) -> str:
+    head = ("| model | estimator | ELBO | d vs trace | held-out | t to trace (s) | "
+            "d @ equal time | ms/step |")  # fmt: skip
+    lines = [head, "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(
+            f"| {r['model']} | {r['estimator']} | {_f(r['elbo'])} ± {_f(r['elbo_se'])} | "
+            f"{_f(r.get('diff'))} ± {_f(r.get('diff_se'))} | "
+            + (f"{_f(r['heldout'])} ± {_f(r['heldout_se'])}" if "heldout" in r else "-")
+            + f" | {_f(r.get('t_reach'))} ({r.get('reached', '-')}) | "
+            f"{_f(r.get('diff_eq_time'))} ± {_f(r.get('diff_eq_time_se'))} | "
+            f"{_f(r['ms_per_step'], '.2f')} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="the short run (see module docs)")
+    mode.add_argument("--full", action="store_true", help="the scripts' settings (default)")
+    ap.add_argument("--seeds", type=int, default=5)
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--estimators", default=",".join(ESTIMATORS))
+    ap.add_argument("--json", default="bench_convergence.json", help="results file")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    if args.quick:
+        cfg = {"steps": lambda m, s: 150 if m == "vae" else int(0.3 * s), "evals": 10,
+               "eval_draws": 10, "final_draws": 300, "heldout_draws": 50}  # fmt: skip
+    else:
+        cfg = {"steps": lambda m, s: s, "evals": 20, "eval_draws": 10, "final_draws": 2000,
+               "heldout_draws": 100}  # fmt: skip
+    models = args.models.split(",")
+    ests = args.estimators.split(",")
+    for m in models + ests:
+        if m not in MODELS and m not in ESTIMATORS:
+            raise SystemExit(
+                f"unknown model or estimator {m!r}: {sorted(MODELS)}, {sorted(ESTIMATORS)}"
+            )
+    t_start = time.perf_counter()
+    results: dict = {}
+    for model in models:
+        results[model] = {}
+        for est in ests:
+            only = ESTIMATORS[est][1]
+            if only is not None and model not in only:
+                continue
+            runs = []
+            for seed in range(args.seeds):
+                r = run_cell(model, est, seed, cfg)
+                if r is None:
+                    break
+                runs.append(r)
+            if runs:
+                results[model][est] = runs
+            print(f"{model:>14} {est:>10}: {len(runs)} seeds, "
+                  f"{time.perf_counter() - t_start:.0f} s elapsed", flush=True)  # fmt: skip
+    rows = summarize(results)
+    with open(args.json, "w") as f:
+        json.dump({"mode": "quick" if args.quick else "full", "rows": rows, "runs": results}, f)
+    print()
+    print(markdown(rows))
+    print(f"\ntotal {time.perf_counter() - t_start:.0f} s wall clock; results in {args.json}")
+
+
+if __name__ == "__main__":
+    main()
