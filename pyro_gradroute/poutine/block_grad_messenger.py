@@ -17,11 +17,30 @@ from .resolve import BlockSpec, ModuleSpec, ParamSpec
 def _as_tuple(x, what: str) -> tuple:
     if x is None:
         return ()
-    if isinstance(x, str) or not isinstance(x, Iterable):
-        return (x,)
-    out = tuple(x)
+    # one name, one module (a ModuleDict / Sequential is one module, not its keys or
+    # children) or one tensor (not its rows)
+    if isinstance(x, (str, torch.nn.Module, torch.Tensor)) or not isinstance(x, Iterable):
+        out: tuple = (x,)
+    else:
+        out = tuple(x)
     if what == "sites" and not all(isinstance(s, str) for s in out):
         raise TypeError(f"block_grad: sites must be site names (str), got {out!r}")
+    for item in out:
+        if what == "modules" and not isinstance(item, (str, torch.nn.Module)):
+            kind = f"the class {item.__name__}" if isinstance(item, type) else repr(item)
+            raise TypeError(
+                f"block_grad: modules= expects module names (str) or nn.Module objects, got "
+                f"{kind}; pass the module instance (the one given to pyro.module or the "
+                "PyroModule itself) or its name"
+            )
+        if what == "params" and (
+            isinstance(item, type)
+            or not (isinstance(item, str) or torch.is_tensor(item) or callable(item))
+        ):
+            raise TypeError(
+                f"block_grad: params= expects param-store names or globs (str), predicates "
+                f"name -> bool, or leaf tensors, got {item!r}"
+            )
     return out
 
 
