@@ -85,7 +85,8 @@ def main(argv=None) -> dict:
         print(f"  {'exact posterior':26s} mean {exact[0]:.4f}  sd {exact[1]:.4f}")
         for name in ("plate(N, subsample=idx)", "plate(b)"):
             m, s = out[name]
-            print(f"  {name:26s} mean {m:.4f}  sd {s:.4f}  (sd / exact {s / exact[1]:.2f})")
+            note = "  (smoke run: not converged)" if args.smoke else ""
+            print(f"  {name:26s} mean {m:.4f}  sd {s:.4f}  (sd / exact {s / exact[1]:.2f}){note}")
     if own_group:
         tdist.barrier()  # all ranks done before any tears the group down
         tdist.destroy_process_group()

@@ -74,6 +74,7 @@ def main(argv=None) -> None:
         print(
             f"{name:30s} {elbo:8.2f}   {q[0].item():5.2f} / {q[1].item():5.2f} / {q[2].item():5.2f}"
             f"{'':18s}{pred[..., 0].std().item():6.2f}"
+            + ("  (smoke run: not converged)" if args.smoke else "")
         )
     factor = type(guide.get_posterior(SIGMA, Y)["tau"]).__name__
     print(

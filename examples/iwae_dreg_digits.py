@@ -74,13 +74,15 @@ def main(argv=None):
                 ll = log_likelihood(vae, test_x, args.eval_samples)
                 results[est].append(ll)
                 print(
-                    f"K={K:3d} seed={seed} {est:4s} held-out log p(x) {ll:8.3f} nats ({time.perf_counter() - t0:.0f}s)",
+                    f"K={K:3d} seed={seed} {est:4s} held-out log p(x) {ll:8.3f} nats ({time.perf_counter() - t0:.0f}s)"
+                    + ("  (smoke run: not converged)" if args.smoke else ""),
                     flush=True,
                 )
         for est, v in results.items():
             t = torch.tensor(v)
             se = (t.std() / len(t) ** 0.5).item() if len(t) > 1 else float("nan")
-            print(f"K={K:3d} {est:4s} mean {t.mean().item():8.3f} +/- {se:.3f} nats")
+            note = "  (smoke run: not converged)" if args.smoke else ""
+            print(f"K={K:3d} {est:4s} mean {t.mean().item():8.3f} +/- {se:.3f} nats{note}")
         diff = torch.tensor(results["DReG"]) - torch.tensor(results["IWAE"])
         wins = int((diff > 0).sum())
         print(

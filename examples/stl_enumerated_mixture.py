@@ -92,7 +92,8 @@ def main(argv=None) -> None:
             final, snr, m, s = fit(data, use_stl, steps, seed)
             name = "TraceEnum_ELBO + STL" if use_stl else "TraceEnum_ELBO"
             locs = ", ".join(f"{a:.2f}+/-{b:.3f}" for a, b in zip(m.tolist(), s.tolist()))
-            print(f"{seed:>4}  {name:<26} {final:>10.3f} {snr:>9.3g}  {locs}")
+            note = "  (smoke run: not converged)" if args.smoke else ""
+            print(f"{seed:>4}  {name:<26} {final:>10.3f} {snr:>9.3g}  {locs}{note}")
 
 
 if __name__ == "__main__":

@@ -51,6 +51,7 @@ def main(argv=None):
         vae = fit(copy.deepcopy(init), elbo, train, steps, args.batch_size, args.seed)
         print(
             f"{name:14s} held-out ELBO {heldout_elbo(vae, test):8.3f} nats/image  ({time.perf_counter() - t0:.1f}s)"
+            + ("  (smoke run: not converged)" if args.smoke else "")
         )
 
 

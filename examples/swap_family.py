@@ -69,7 +69,7 @@ def fit(q: ParametrizedDistribution, steps: int, num_samples: int = 128) -> floa
         return kl_step(q(), 20000).item()
 
 
-def swap_parametrized(steps: int) -> None:
+def swap_parametrized(steps: int, note: str = "") -> None:
     print("2. the same loop, three families (param store: constrained, re-read every call)")
     for q in [
         ParametrizedDistribution("normal", dist.Normal, loc=0.0, scale=1.0),
@@ -81,11 +81,11 @@ def swap_parametrized(steps: int) -> None:
         args = ", ".join(f"{k}={v.item():.2f}" for k, v in q.params().items())
         print(
             f"   {q.family.__name__:9s} {args:36s} mean {d.mean.item():5.2f} "
-            f"sd {d.stddev.item():5.2f}  KL(q||N(5,5)) = {kl:.3f}"
+            f"sd {d.stddev.item():5.2f}  KL(q||N(5,5)) = {kl:.3f}{note}"
         )
 
 
-def swap_guide(steps: int) -> None:
+def swap_guide(steps: int, note: str = "") -> None:
     print("3. AutoMeanField: Normal pushed through exp vs Gamma, same SVI loop")
     counts = torch.tensor([3.0, 5.0, 4.0, 6.0, 2.0])
 
@@ -108,7 +108,7 @@ def swap_guide(steps: int) -> None:
             z = q.sample((20000,))
         print(
             f"   family={family.__name__:7s} ({type(q).__name__:24s}) mean {z.mean().item():.3f}  "
-            f"sd {z.std().item():.3f}"
+            f"sd {z.std().item():.3f}{note}"
         )
 
 
@@ -119,8 +119,9 @@ def main(argv=None) -> None:
     torch.set_num_threads(1)
     pyro.set_rng_seed(0)
     broken_loop()
-    swap_parametrized(steps=30 if args.smoke else 600)
-    swap_guide(steps=20 if args.smoke else 800)
+    note = "  (smoke run: not converged)" if args.smoke else ""
+    swap_parametrized(steps=30 if args.smoke else 600, note=note)
+    swap_guide(steps=20 if args.smoke else 800, note=note)
 
 
 if __name__ == "__main__":

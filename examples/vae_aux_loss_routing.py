@@ -116,7 +116,10 @@ def main(argv=None) -> dict:
         test_loss = Trace_ELBO().loss(vae.model, vae.guide, test) / len(test)
         loc = vae.encoder(test)[..., : vae.z_dim]
         acc = (vae.classifier(vae.decoder[:2](loc)).argmax(-1) == y_test).float().mean().item()
-    print(f"test -ELBO per digit (pixels only): {test_loss:.2f}; label accuracy from z: {acc:.2f}")
+    note = "  (smoke run: not converged)" if args.smoke else ""
+    print(
+        f"test -ELBO per digit (pixels only): {test_loss:.2f}; label accuracy from z: {acc:.2f}{note}"
+    )
     return {"rel": rel, "test_loss": test_loss, "accuracy": acc}
 
 

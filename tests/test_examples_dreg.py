@@ -15,3 +15,4 @@ def test_iwae_dreg_digits_smoke():
     )
     assert out.returncode == 0, out.stderr
     assert "paired DReG - IWAE" in out.stdout
+    assert "held-out log p(x)" in out.stdout and "(smoke run: not converged)" in out.stdout

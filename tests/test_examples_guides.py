@@ -22,6 +22,7 @@ def test_swap_family_smoke(capsys):
     for family in ("Normal", "LogNormal", "Gamma"):
         assert f"   {family} " in out
     assert "family=Gamma   (Gamma" in out and "family=Normal  (TransformedDistribution" in out
+    assert out.count("(smoke run: not converged)") == 5  # every fitted figure is labelled
 
 
 def test_hierarchical_positive_scale_smoke(capsys):
@@ -30,6 +31,7 @@ def test_hierarchical_positive_scale_smoke(capsys):
     for name in ("AutoNormal", "AutoMeanField(tau: Gamma)", "AutoMeanField(tau: LogNormal)"):
         assert name in out
     assert "['AutoMeanField.tau.loc', 'AutoMeanField.tau.scale']" in out
+    assert out.count("(smoke run: not converged)") == 3
 
 
 def test_bench_guides_smoke(capsys):
