@@ -76,6 +76,16 @@ def _resolve(entries, key) -> dict[torch.Tensor, str]:
 
 
 def _check_keys(terms: Mapping, block: Block | None, strict: bool) -> None:
+    if not isinstance(terms, Mapping):
+        raise TypeError(
+            "terms must be a mapping name -> scalar tensor (e.g. {'recon': l1, 'kl': l2}), "
+            f"got a {type(terms).__name__}; block's keys name those terms"
+        )
+    if block is not None and not isinstance(block, Mapping):
+        raise TypeError(
+            "block must be a mapping term name -> parameters it must not reach, got a "
+            f"{type(block).__name__}"
+        )
     unknown = [k for k in (block or {}) if k not in terms]
     if strict and unknown:
         raise KeyError(
@@ -299,6 +309,7 @@ def backward(
     :param strict: raise ``KeyError`` for a ``block`` key that names no term (a typo would
         silently drop the route). The ELBOs pass ``False``: their blocks name every marked
         site, also those whose log-density has no gradient (and hence no term).
+    :raises TypeError: if ``terms`` (or ``block``) is not a mapping.
     :warns UserWarning: if a parameter is blocked from every term that reaches it.
     """
     _check_keys(terms, block, strict)

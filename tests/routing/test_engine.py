@@ -187,6 +187,17 @@ def test_bad_block_entries(seed_net):
         routing.backward({"v": A(torch.randn(2, 6))}, block={"v": [B]})
 
 
+def test_terms_must_be_a_mapping(seed_net):
+    A, B, C, forward = seed_net
+    t = forward()
+    with pytest.raises(TypeError, match="terms must be a mapping name -> scalar tensor.*list"):
+        routing.backward([t["loss1"], t["loss2"]], block={1: [B]})
+    with pytest.raises(TypeError, match="terms must be a mapping"):
+        routing.grad([t["loss1"], t["loss2"]], [B[0].weight], block={1: [B]})
+    with pytest.raises(TypeError, match="block must be a mapping term name"):
+        routing.backward(t, block=[B])
+
+
 def test_nan_term_warns(seed_net):
     A, B, C, forward = seed_net
     terms = forward()
