@@ -1,8 +1,18 @@
 """Log-density terms: a site's log-density split once into ordinary, score and pathwise parts."""
 
-from .split import SplitLogProb, SplitNotSupported, is_delta, split_log_prob, split_log_probs
+from .split import (
+    Relay,
+    RelayGroup,
+    SplitLogProb,
+    SplitNotSupported,
+    is_delta,
+    split_log_prob,
+    split_log_probs,
+)
 
 __all__ = [
+    "Relay",
+    "RelayGroup",
     "SplitLogProb",
     "SplitNotSupported",
     "is_delta",
