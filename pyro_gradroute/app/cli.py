@@ -114,13 +114,20 @@ def _parser() -> argparse.ArgumentParser:
         help="order of the Renyi bound for the renyi and renyi-dreg estimators (default 0.5; "
         "not 1, which is the ELBO)",
     )
-    c.add_argument("--seed", type=int, default=0)
-    c.add_argument("--snr-draws", type=_at_least(2), default=20, help="gradient draws for the SNR")
+    c.add_argument(
+        "--seed", type=_at_least(0), default=0, help="random seed, 0 or more (default 0)"
+    )
+    c.add_argument(
+        "--snr-draws",
+        type=_at_least(2),
+        default=20,
+        help="gradient draws for the SNR (default 20)",
+    )
     c.add_argument(
         "--samples",
         type=_at_least(2),
         default=1000,
-        help="guide draws for k-hat, ELBO and log p(x)",
+        help="guide draws for k-hat, ELBO and log p(x) (default 1000)",
     )
     c.add_argument(
         "--warmup-steps",

@@ -86,6 +86,12 @@ def _import_function(path: str) -> Callable:
             f"Model path {path!r} must look like 'module:function' (e.g. my_model:problem). "
             f"Bundled models: {_available()}"
         )
+    if module_name.endswith(".py"):
+        stem = module_name[: -len(".py")].replace(os.sep, ".").replace("/", ".")
+        raise ValueError(
+            f"Model path {path!r} names a file; give the module name without '.py': "
+            f"--model {stem}:{func_name} (run from the file's folder, or put it on PYTHONPATH)"
+        )
     if "" not in sys.path and os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # console scripts do not put the current folder there
     try:
