@@ -1,12 +1,14 @@
-"""Diagnostics: ArviZ conversion, PSIS k-hat, gradient statistics, estimator comparison.
+"""Diagnostics: ArviZ conversion, PSIS k-hat, gradient statistics.
 
 * :func:`to_inference_data` -- a fitted guide as ``arviz.InferenceData`` (posterior,
   posterior predictive, pointwise log-likelihood, importance log-ratios).
 * :func:`psis_khat` / :func:`pareto_khat` -- the Pareto-k diagnostic of a guide.
 * :func:`gradient_stats` / :func:`compare_gradients` -- mean, variance and signal-to-noise
   ratio of ELBO gradients, one estimator or several side by side.
-* :func:`compare_estimators` -- fit several estimators from one initialisation and tabulate
-  them (what ``pyro-gradroute compare`` runs).
+
+Fitting several estimators from one initialisation and tabulating them is
+``pyro_gradroute.app.compare.compare_estimators`` (what ``pyro-gradroute compare`` runs),
+built on these.
 
 ArviZ is imported lazily (only the functions that return ArviZ objects need it).
 """
