@@ -110,6 +110,11 @@ def to_inference_data(
     Either way the result follows ArviZ's conventions: ``chain`` and ``draw`` dimensions, plate
     dimensions named after their plates, with coordinates.
 
+    The draws are independent (one ``chain`` of :math:`S` i.i.d. guide draws), not a Markov
+    chain: summarize them with ``az.summary(idata, kind="stats")`` (mean, sd, HDI). Plain
+    ``az.summary`` adds the MCMC columns (ESS, MCSE, ``r_hat``, NaN with one chain) and logs
+    a shape warning about the single chain; they do not apply to guide draws.
+
     Example::
 
         >>> import torch, pyro, pyro.distributions as dist, arviz as az
@@ -126,6 +131,8 @@ def to_inference_data(
         >>> idata.log_likelihood["x"].dims
         ('chain', 'draw', 'data')
         >>> loo = az.loo(idata)
+        >>> list(az.summary(idata, kind="stats").columns)
+        ['mean', 'sd', 'hdi_3%', 'hdi_97%']
     """
     draws = importance_draws(
         model,

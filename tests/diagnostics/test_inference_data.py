@@ -75,3 +75,33 @@ def test_exact_guide_gives_exact_posterior_and_constant_ratios():
     assert abs(z.mean() - m) < 4 * s / np.sqrt(4000) and abs(z.std() / s - 1) < 0.05
     lw = idata["sample_stats"]["log_importance_ratio"].values
     assert np.ptp(lw) < 1e-4  # log p(x, z) - log q(z) = log p(x) for every draw
+
+
+def _arviz_log(fn):
+    """``fn()``'s result and the messages ArviZ logged meanwhile (ArviZ logs through its own
+    ``Logger("arviz")`` object, outside the logging registry)."""
+    import logging
+
+    import arviz
+
+    records: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: records.append(record.getMessage())
+    logger = arviz._log
+    logger.addHandler(handler)
+    try:
+        return fn(), records
+    finally:
+        logger.removeHandler(handler)
+
+
+def test_summary_kind_stats_is_the_documented_summary_of_guide_draws(idata):
+    """The draws are i.i.d., not a chain: kind="stats" gives mean, sd and HDI without the
+    one-chain warning and NaN r_hat that plain az.summary gives."""
+    _, idata = idata
+    summary, logged = _arviz_log(lambda: az.summary(idata, var_names=["mu"], kind="stats"))
+    assert list(summary.columns) == ["mean", "sd", "hdi_3%", "hdi_97%"]
+    assert logged == []
+    full, logged = _arviz_log(lambda: az.summary(idata, var_names=["mu"]))
+    assert np.isnan(full["r_hat"]).all()  # why plain az.summary is not the documented call
+    assert any("chains=2" in m for m in logged)
