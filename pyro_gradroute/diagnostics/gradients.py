@@ -18,6 +18,7 @@ zero at every draw (STL at the exact posterior) has SNR NaN: it has no noise and
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -122,6 +123,31 @@ def _param_names(model, guide, args, kwargs) -> tuple[list[str], list[str]]:
     return guide_names, model_names
 
 
+def _snapshot(store, elbo):
+    """The param store (leaves, their values, constraints) and the estimator's state."""
+    leaves = {n: (p, p.detach().clone()) for n, p in store.named_parameters()}
+    state = getattr(elbo, "state_dict", None)
+    return leaves, store.get_state(), copy.deepcopy(state()) if callable(state) else None
+
+
+def _restore(store, elbo, snapshot) -> None:
+    """Put back what :func:`_snapshot` saw: the same leaf tensors with the same values.
+
+    A parameter created by the draws (a ``TraceGraph_ELBO`` baseline) is removed; one an
+    ELBO replaced (a decaying-average baseline) is put back; values changed in place are
+    restored in place (an optimizer keeps referring to the same leaves).
+    """
+    leaves, state, elbo_state = snapshot
+    for name in [n for n in store.keys() if n not in leaves]:
+        del store[name]
+    store.set_state(state)
+    with torch.no_grad():
+        for leaf, value in leaves.values():
+            leaf.copy_(value)
+    if elbo_state is not None:
+        elbo.load_state_dict(elbo_state)
+
+
 def gradient_stats(
     model,
     guide,
@@ -137,8 +163,12 @@ def gradient_stats(
     Each draw calls ``elbo.loss_and_grads(model, guide, *args, **kwargs)`` -- the code path
     :class:`pyro.infer.SVI` uses, so block_grad routes and estimator-specific surrogate losses
     are honoured -- and reads the ``.grad`` of every param-store parameter the model or guide
-    reads. Parameter values are not changed; every parameter's ``.grad`` is restored to what it
-    was (the same tensor, or ``None``); torch's global random state is restored too (pass
+    reads. The param store is left as it was (the same leaf tensors with the same values:
+    state an ELBO keeps there, such as ``TraceGraph_ELBO``'s decaying-average baselines, is
+    put back, and parameters the draws created are removed), and so is the state of an
+    estimator with ``state_dict`` / ``load_state_dict`` (the adaptive estimators' moments);
+    every parameter's ``.grad`` is restored to what it was (the same tensor, or ``None``);
+    torch's global random state is restored too (pass
     ``seed`` for reproducible draws). Parameters that do not exist yet are created, as SVI's
     first step would. See the module docs for the formulas.
 
@@ -175,6 +205,7 @@ def gradient_stats(
         guide_names, model_names = _param_names(model, guide, args, kwargs)
         params = {n: p for n, p in store.named_parameters() if n in guide_names + model_names}
         saved = {n: p.grad for n, p in store.named_parameters()}
+        snapshot = _snapshot(store, elbo)
         count = 0
         mean = {n: torch.zeros_like(p, dtype=torch.float64) for n, p in params.items()}
         m2 = {n: torch.zeros_like(p, dtype=torch.float64) for n, p in params.items()}
@@ -193,6 +224,7 @@ def gradient_stats(
                     if keep_draws:
                         kept[n].append(g)
         finally:
+            _restore(store, elbo, snapshot)
             for n, p in store.named_parameters():
                 p.grad = saved.get(n)
     stats = {n: ParamGradStats(mean[n], m2[n] / (count - 1)) for n in params}
