@@ -1,0 +1,201 @@
+"""The cheap STL path (detached copies, no relays) against the general split and hand-written surrogates.
+
+* For every case of the conformance registry, ``TraceSTL_ELBO``'s gradient on the default
+  path equals the general split's (relays on every sample) on the same draws, to float64
+  round-off; so does ``stick_the_landing`` inside Pyro's ``Trace_ELBO``.
+* Conditional guides are routed to the path that keeps the gradient through earlier
+  samples: a hand-written STL surrogate on the same draws (Markov chain, dense DAG), and
+  the detached copy alone would differ.
+"""
+
+from __future__ import annotations
+
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+from pyro import poutine
+from pyro.infer import Trace_ELBO as PyroTrace_ELBO
+from torch.distributions import constraints
+
+from pyro_gradroute.infer import TraceSTL_ELBO
+from pyro_gradroute.poutine import stick_the_landing
+from tests.conformance import cases as C
+from tests.conformance import checks as K
+
+CASE_IDS = [c.name for c in C.CASES]
+
+
+def _tol(dtype):
+    return dict(rtol=1e-10, atol=1e-10) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-5)
+
+
+def _stl_grad(c, elbo, seed):
+    return K.grad_of(
+        c, lambda: K.seeded(seed, lambda: elbo.loss_and_grads(c.model, c.guide, *c.args))
+    )
+
+
+def _stl(case):
+    n = 1 if case.messenger else 2
+    return TraceSTL_ELBO(num_particles=n, max_plate_nesting=case.max_plate_nesting)
+
+
+@pytest.mark.parametrize("case", C.CASES, ids=CASE_IDS)
+def test_default_path_equals_general_split(case):
+    with K.cell(case) as c:
+        fast, general = _stl(case), _stl(case)
+        general._policy.mark(c.guide, general=True)
+        spec = case.raise_for("STL", routed=False)
+        if spec is not None and not spec.optional:
+            for elbo in (fast, general):
+                with pytest.raises(spec.exc, match=spec.match):
+                    _stl_grad(c, elbo, 0)
+            return
+        for seed in (0, 1):
+            try:
+                lf, gf = _stl_grad(c, fast, seed)
+            except (ValueError, NotImplementedError):
+                assert spec is not None and spec.optional
+                return
+            lg, gg = _stl_grad(c, general, seed)
+            assert lf == pytest.approx(lg, rel=1e-10 if case.dtype == torch.float64 else 1e-6)
+            torch.testing.assert_close(gf, gg, **_tol(case.dtype))
+
+
+@pytest.mark.parametrize("case", [c for c in C.CASES if not c.messenger], ids=lambda c: c.name)
+def test_handler_default_path_equals_general_split(case):
+    spec = case.raise_for("STL", routed=False)
+    if spec is not None:
+        pytest.skip("refused under STL (its refusal is checked in the conformance matrix)")
+    with K.cell(case) as c:
+        elbo = PyroTrace_ELBO(max_plate_nesting=case.max_plate_nesting)
+        fast_guide = stick_the_landing(c.guide)
+        for seed in (0, 1):
+            general_guide = stick_the_landing(c.guide)  # a fresh handler: its first run is general
+
+            def step(g, seed=seed):
+                pyro.set_rng_seed(seed)
+                return elbo.loss_and_grads(c.model, g, *c.args)
+
+            _, gg = K.grad_of(c, lambda g=general_guide: step(g))
+            _, gf = K.grad_of(c, lambda: step(fast_guide))
+            if seed == 0:
+                continue  # the first run of fast_guide was its general (learning) run
+            torch.testing.assert_close(gf, gg, **_tol(case.dtype))
+
+
+# ----------------------------------------------------------------------------- conditional guides
+def _chain_problem(T: int, dense: bool):
+    x = torch.linspace(-1.0, 2.0, T, dtype=torch.float64)
+
+    def model():
+        prev = torch.zeros((), dtype=torch.float64)
+        for t in range(T):
+            prev = pyro.sample(f"z{t}", dist.Normal(0.8 * prev, 1.0))
+            pyro.sample(f"x{t}", dist.Normal(prev, 0.5), obs=x[t])
+
+    def params():
+        a = pyro.param("a", torch.full((T,), 0.5, dtype=torch.float64))
+        b = pyro.param("b", torch.linspace(0.0, 1.0, T, dtype=torch.float64))
+        c = pyro.param("c", torch.full((T,), -0.3, dtype=torch.float64))
+        s = pyro.param(
+            "s", torch.full((T,), 0.7, dtype=torch.float64), constraint=constraints.positive
+        )
+        return a, b, c, s
+
+    def mean(t, z, a, b, c):
+        m = b[t] + (a[t] * z[t - 1] if t > 0 else 0.0)
+        if dense and t > 1:
+            m = m + c[t] * z[t - 2]  # reads z[t-2] directly and through z[t-1]
+        return m
+
+    def guide():
+        a, b, c, s = params()
+        z = []
+        for t in range(T):
+            z.append(pyro.sample(f"z{t}", dist.Normal(mean(t, z, a, b, c), s[t])))
+
+    def reference(values):
+        """-(log p(x, z) - log q(z; stop(phi))) with z rebuilt from the same eps, live in phi."""
+        a, b, c, s = params()
+        with torch.no_grad():
+            eps, z = [], []
+            for t in range(T):
+                eps.append((values[t] - mean(t, z, a, b, c)) / s[t])
+                z.append(values[t])
+        z = []
+        for t in range(T):
+            z.append(mean(t, z, a, b, c) + s[t] * eps[t])
+        ad, bd, cd, sd = (p.detach() for p in (a, b, c, s))
+        lq = sum(dist.Normal(mean(t, z, ad, bd, cd), sd[t]).log_prob(z[t]) for t in range(T))
+        lp = 0.0
+        for t in range(T):
+            lp = lp + dist.Normal(0.8 * (z[t - 1] if t > 0 else 0.0), 1.0).log_prob(z[t])
+            lp = lp + dist.Normal(z[t], 0.5).log_prob(x[t])
+        return -(lp - lq)
+
+    return model, guide, reference
+
+
+def _flat(names):
+    store = pyro.get_param_store()
+    leaves = [store.get_param(n).unconstrained() for n in names]
+    return torch.cat([torch.zeros_like(p) if p.grad is None else p.grad for p in leaves])
+
+
+@pytest.mark.parametrize("dense", [False, True], ids=["markov", "dense"])
+def test_conditional_guide_keeps_the_path_through_earlier_samples(dense):
+    pyro.clear_param_store()
+    model, guide, reference = _chain_problem(5, dense)
+    guide()
+    names = ["a", "b", "c", "s"]
+    for seed in range(3):
+        pyro.set_rng_seed(seed)
+        tr = poutine.trace(guide).get_trace()
+        values = [tr.nodes[f"z{t}"]["value"].detach() for t in range(5)]
+        for p in pyro.get_param_store().values():
+            p.unconstrained().grad = None
+        reference(values).backward()
+        ref = _flat(names)
+        for p in pyro.get_param_store().values():
+            p.unconstrained().grad = None
+        pyro.set_rng_seed(seed)
+        TraceSTL_ELBO().loss_and_grads(model, guide)
+        ours = _flat(names)
+        torch.testing.assert_close(ours, ref, rtol=1e-10, atol=1e-10)
+
+        # what the detached copy alone (no path through the earlier samples) would give
+        for p in pyro.get_param_store().values():
+            p.unconstrained().grad = None
+        z = [tr.nodes[f"z{t}"]["value"] for t in range(5)]
+        lq = sum(_detached(tr.nodes[f"z{t}"]["fn"]).log_prob(z[t]) for t in range(5))
+        lp = poutine.trace(poutine.replay(model, trace=tr)).get_trace().log_prob_sum()
+        (-(lp - lq)).backward()
+        naive = _flat(names)
+        assert (naive - ref).abs().max() > 1e-2
+
+
+def _detached(fn):
+    return dist.Normal(fn.loc.detach(), fn.scale.detach())
+
+
+def test_conditional_site_under_the_handler_matches_the_reference():
+    pyro.clear_param_store()
+    model, guide, reference = _chain_problem(4, dense=True)
+    guide()
+    stl_guide = stick_the_landing(guide)
+    elbo = PyroTrace_ELBO()
+    for seed in range(3):
+        pyro.set_rng_seed(seed)
+        tr = poutine.trace(guide).get_trace()
+        values = [tr.nodes[f"z{t}"]["value"].detach() for t in range(4)]
+        for p in pyro.get_param_store().values():
+            p.unconstrained().grad = None
+        reference(values).backward()
+        ref = _flat(["a", "b", "c", "s"])
+        for p in pyro.get_param_store().values():
+            p.unconstrained().grad = None
+        pyro.set_rng_seed(seed)
+        elbo.loss_and_grads(model, stl_guide)
+        torch.testing.assert_close(_flat(["a", "b", "c", "s"]), ref, rtol=1e-10, atol=1e-10)
