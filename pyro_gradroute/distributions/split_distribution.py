@@ -173,7 +173,10 @@ class SplitBatch:
             if lp is None:
                 continue
             full = rec.parts[0]
-            rec.parts = (full, ScoreParts(lp, _stop(full.score_function), lp), rec.parts[2])
+            # the per-site score tensor is no part of the joint score here: none is given
+            # (an estimator that mixes in the score part keeps the pathwise one for it)
+            score = _stop(rec.parts[2])
+            rec.parts = (full, ScoreParts(lp, _stop(full.score_function), lp), score)
 
     def score_parts(self, rec: SiteRecord) -> ScoreParts:
         """What ``score_parts`` answers at the recorded sample (pathwise for ``stl`` sites)."""

@@ -335,8 +335,16 @@ class TraceDReG_ELBO(RoutedELBO):
         }
         # a structured guide (AutoStructured, AutoGaussian): its Deltas and auxiliary draws
         # are one reparameterized draw of the joint q(z) (see distributions.structured)
-        structured = {n for n, r in records.items() if r is not None and r.owner is not None}
+        structured = [n for n, r in records.items() if r is not None and r.owner is not None]
+        structured.sort(key=lambda n: not is_delta(records[n].fn))  # name a latent first
         for n in structured:
+            if isinstance(self, ReweightedWakeSleepDReG):
+                raise ValueError(
+                    f"{type(self).__name__}: guide site '{n}' belongs to "
+                    f"{type(records[n].owner).__name__}, whose wake-phase (KL(p || q)) update "
+                    "is not supported by this estimator. Use TraceDReG_ELBO (the IWAE bound) or "
+                    "TraceSTL_ELBO with this guide."
+                )
             if records[n].point and self.num_particles > 1:
                 raise ValueError(
                     f"{type(self).__name__}: guide site '{n}' is an AutoStructured 'delta' "
