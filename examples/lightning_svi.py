@@ -146,7 +146,7 @@ def main(argv=None) -> dict:
         steps = trainer.global_step
         print(
             f"{world} rank(s), {args.estimator}, N={args.n}, b={args.batch_size} per rank, "
-            f"{steps} steps, {elapsed:.1f} s"
+            f"{steps} steps"
         )
         print(f"  exact posterior  mean {exact[0]:.4f}  sd {exact[1]:.4f}")
         print(f"  AutoNormal fit   mean {mean:.4f}  sd {sd:.4f}{note}")

@@ -13,9 +13,12 @@ def test_split_snippet():
     assert not ns["log_prob_detach"].requires_grad or ns["log_prob_detach"].grad_fn is not None
 
 
-def test_stl_snippet():
+def test_stl_snippet(capsys):
     (code,) = python_snippets("stl")
     ns = run_snippet(code, "README stl snippet")
+    # the snippet is seeded: it prints exactly what its comment says
+    printed = capsys.readouterr().out.strip().splitlines()[-1]
+    assert code.strip().splitlines()[-1].endswith(f"# {printed}")
     median = ns["guide"].median()
     assert median["loc"].item() == pytest.approx(ns["x"].mean().item(), abs=0.3)
     assert median["scale"].item() == pytest.approx(ns["x"].std().item(), abs=0.3)
