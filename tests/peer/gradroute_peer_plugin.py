@@ -4,12 +4,18 @@ Loaded by ``run_pyro_tests.py`` as ``-p gradroute_peer_plugin`` (this folder on
 ``PYTHONPATH``) inside a Pyro source checkout. Configured by environment variables:
 
 ``GRADROUTE_PEER_ELBO``
-    ``trace``  package ``Trace_ELBO`` replaces ``pyro.infer.Trace_ELBO``;
-    ``stl``    package ``TraceSTL_ELBO`` replaces ``pyro.infer.Trace_ELBO``;
-    ``dreg``   package ``TraceDReG_ELBO`` replaces ``pyro.infer.RenyiELBO(alpha=0)``
-               (other alphas stay Pyro's);
-    ``pyro-trace`` / ``pyro-renyi``  Pyro's own class, instrumented the same way
-               (the baseline: which tests fail in this environment anyway).
+    ``trace``     package ``Trace_ELBO`` replaces ``pyro.infer.Trace_ELBO``;
+    ``stl``       package ``TraceSTL_ELBO`` replaces ``pyro.infer.Trace_ELBO``;
+    ``adaptive``  package ``TraceAdaptiveSTL_ELBO`` replaces ``pyro.infer.Trace_ELBO``;
+    ``dreg``      package ``TraceDReG_ELBO(alpha)`` replaces ``pyro.infer.RenyiELBO(alpha)``
+                  (every alpha);
+    ``dreg-trace`` package ``TraceDReG_ELBO(num_particles)`` replaces
+                  ``pyro.infer.Trace_ELBO(num_particles)`` (the K-particle bound: loss values
+                  differ from the ELBO's for K > 1; equal to STL at K = 1);
+    ``handler``   Pyro's own ELBOs (every ``pyro.infer`` ELBO class) with the guide wrapped
+                  in ``pyro_gradroute.poutine.stick_the_landing``;
+    ``pyro-trace`` / ``pyro-renyi`` / ``pyro-elbos``  Pyro's own classes, instrumented the
+                  same way (the baseline: which tests fail in this environment anyway).
 ``GRADROUTE_PEER_OUT``
     JSON file written at the end: for every test that built the substituted ELBO, its
     outcome and, on failure, the exception and the innermost ``pyro_gradroute`` frame.
@@ -45,7 +51,10 @@ _built: dict[str, set[str]] = {}  # nodeid -> how ("init", "param", "used")
 _results: dict[str, dict] = {}
 _Instrumented: type | None = None
 _REPLACED = ""  # the Pyro name replaced
+_NAMES: set[str] = set()  # the Pyro names a test's source must mention to build it
 _OURS: tuple = ()  # the replacement class (and the instrumented target)
+_WRAPPED: dict[int, tuple] = {}  # id(guide) -> (guide, stick_the_landing(guide))
+_WRAPPERS: set[int] = set()  # ids of the wrapped guides
 _deselected = [0]
 _coerced: set[str] = set()  # tests where DReG's vectorize_particles was forced on
 
@@ -80,23 +89,123 @@ def _instrument(base: type, name: str) -> type:
     return cls
 
 
+#: Pyro's ELBO classes whose guide the ``handler`` mode wraps (refusals are reported as such)
+HANDLER_ELBOS = (
+    "Trace_ELBO",
+    "JitTrace_ELBO",
+    "TraceMeanField_ELBO",
+    "JitTraceMeanField_ELBO",
+    "TraceGraph_ELBO",
+    "JitTraceGraph_ELBO",
+    "TraceEnum_ELBO",
+    "JitTraceEnum_ELBO",
+    "TraceTMC_ELBO",
+    "RenyiELBO",
+    "TraceTailAdaptive_ELBO",
+    "ReweightedWakeSleep",
+)
+
+
+def _wrapped_guide(guide):
+    """``stick_the_landing(guide)``, one wrapper per guide (reused across steps)."""
+    from pyro_gradroute.poutine import stick_the_landing
+
+    if guide is None or id(guide) in _WRAPPERS:
+        return guide
+    hit = _WRAPPED.get(id(guide))
+    if hit is None or hit[0] is not guide:
+        hit = _WRAPPED[id(guide)] = (guide, stick_the_landing(guide))
+        _WRAPPERS.add(id(hit[1]))
+    return hit[1]
+
+
+def _install_handler(wrap: bool) -> None:
+    """Instrument Pyro's ELBO classes in place; with ``wrap``, wrap the guide in every call."""
+    import pyro.infer
+
+    classes = tuple(getattr(pyro.infer, n) for n in HANDLER_ELBOS if hasattr(pyro.infer, n))
+    for cls in classes:
+        for name in ("loss", "loss_and_grads", "differentiable_loss"):
+            meth = cls.__dict__.get(name)
+            if meth is None or getattr(meth, "_peer", False):
+                continue
+
+            def method(self, model, guide, *args, _meth=meth, **kwargs):
+                _record("used")
+                if wrap:
+                    guide = _wrapped_guide(guide)
+                return _meth(self, model, guide, *args, **kwargs)
+
+            method.__name__, method._peer = name, True
+            setattr(cls, name, method)
+
+        init = cls.__dict__.get("__init__")
+        if init is not None and not getattr(init, "_peer", False):
+
+            def __init__(self, *args, _init=init, **kwargs):
+                _record("init")
+                _init(self, *args, **kwargs)
+
+            __init__._peer = True
+            cls.__init__ = __init__
+    global _OURS
+    _OURS = classes
+    _NAMES.update(c.__name__ for c in classes)
+
+
 def _install() -> None:
     global _Instrumented, _REPLACED
     import pyro.infer
     import pyro.infer.renyi_elbo
     import pyro.infer.trace_elbo
 
-    if MODE in ("trace", "stl", "pyro-trace"):
+    if MODE in ("handler", "pyro-elbos"):
+        _REPLACED = "ELBOs"
+        _install_handler(wrap=MODE == "handler")
+        return
+    if MODE in ("trace", "stl", "adaptive", "pyro-trace"):
         import pyro_gradroute.infer as gi
 
         base = {
             "trace": gi.Trace_ELBO,
             "stl": gi.TraceSTL_ELBO,
+            "adaptive": gi.TraceAdaptiveSTL_ELBO,
             "pyro-trace": pyro.infer.trace_elbo.Trace_ELBO,
         }[MODE]
         _REPLACED = "Trace_ELBO"
         original = pyro.infer.trace_elbo.Trace_ELBO
         replacement = _Instrumented = _instrument(base, "Trace_ELBO")
+        modules = [pyro.infer, pyro.infer.trace_elbo]
+    elif MODE == "dreg-trace":
+        from pyro_gradroute.infer import TraceDReG_ELBO
+
+        _REPLACED = "Trace_ELBO"
+        original = pyro.infer.trace_elbo.Trace_ELBO
+        Target = _instrument(TraceDReG_ELBO, "Trace_ELBO")
+
+        def __init__(self, num_particles=1, max_plate_nesting=math.inf, *args, **kwargs):
+            if args:
+                raise TypeError("Trace_ELBO (dreg-trace mode): pass arguments by keyword")
+            for k in ("max_iarange_nesting", "ignore_jit_warnings", "jit_options"):
+                kwargs.pop(k, None)
+            for k in ("retain_graph", "tail_adaptive_beta"):
+                kwargs.pop(k, None)
+            vectorize = kwargs.pop("vectorize_particles", False)
+            if num_particles > 1 and not vectorize and not STRICT:
+                vectorize = True  # DReG draws coupled particles in one vectorized pass
+                if _current[0] is not None:
+                    _coerced.add(_current[0])
+            Target.__init__(
+                self,
+                num_particles=num_particles,
+                max_plate_nesting=max_plate_nesting,
+                vectorize_particles=vectorize,
+                **kwargs,
+            )
+
+        replacement = _Instrumented = type(
+            "Trace_ELBO", (Target,), {"__init__": __init__, "__module__": Target.__module__}
+        )
         modules = [pyro.infer, pyro.infer.trace_elbo]
     elif MODE in ("dreg", "pyro-renyi"):
         from pyro_gradroute.infer import TraceDReG_ELBO
@@ -107,7 +216,7 @@ def _install() -> None:
         _Instrumented = Target = _instrument(target, "RenyiELBO")
 
         class RenyiELBO(PyroRenyi):
-            """``RenyiELBO`` whose ``alpha=0`` instances are the instrumented target."""
+            """``RenyiELBO(alpha)``: an instance of the instrumented target, at every alpha."""
 
             def __new__(
                 cls,
@@ -118,8 +227,6 @@ def _install() -> None:
                 vectorize_particles=False,
                 strict_enumeration_warning=True,
             ):
-                if alpha != 0:
-                    return super().__new__(cls)
                 kw = dict(
                     num_particles=num_particles,
                     max_plate_nesting=max_plate_nesting,
@@ -135,9 +242,7 @@ def _install() -> None:
                         _coerced.add(_current[0])
                 if MODE == "dreg":
                     kw.pop("max_iarange_nesting")
-                else:
-                    kw = {"alpha": 0, **kw}
-                return Target(**kw)
+                return Target(alpha=alpha, **kw)
 
         RenyiELBO.__module__ = PyroRenyi.__module__
         replacement = RenyiELBO
@@ -147,6 +252,7 @@ def _install() -> None:
 
     global _OURS
     _OURS = (replacement, _Instrumented)
+    _NAMES.add(_REPLACED)
     for mod in modules:
         setattr(mod, _REPLACED, replacement)
     # test helper modules imported already (none normally: the plugin runs first)
@@ -176,6 +282,13 @@ def _elbo_kind(value, depth=0) -> set[str]:
 
 def pytest_configure(config):
     _install()
+    if MODE == "handler":
+        # Pyro's tests turn warnings into errors; the handler's note that a guide without a
+        # reparameterized draw (AutoDelta) is left as it is is not a failure of the test
+        config.addinivalue_line(
+            "filterwarnings",
+            "ignore:stick_the_landing. the guide has no reparameterized site:UserWarning",
+        )
 
 
 _source_cache: dict = {}
@@ -204,7 +317,7 @@ def _builders(module) -> set[str]:
     if name in _builders_cache:
         return _builders_cache[name]
     srcs: dict[str, str] = {}
-    found: set[str] = {_REPLACED}
+    found: set[str] = set(_NAMES)
     for attr, obj in list(vars(module).items()):
         if inspect.isfunction(obj) and obj.__module__ == name:
             srcs[attr] = _source(obj)
@@ -236,7 +349,8 @@ def _may_build(item, kinds: set[str]) -> bool:
     src = _source(getattr(item, "function", None))
     src = src[max(0, src.find("def ")) :]  # without the decorators (parametrize lists)
     if "other" in kinds:  # a case of a test run for several ELBOs, ours not among them
-        return re.search(rf"\b{_REPLACED}\b", src) is not None
+        names = "|".join(map(re.escape, sorted(_NAMES)))
+        return re.search(rf"\b({names})\b", src) is not None
     found = _builders(module)
     pattern = re.compile(r"\b(" + "|".join(map(re.escape, sorted(found))) + r")\b")
     if pattern.search(src):

@@ -1,14 +1,28 @@
 #!/usr/bin/env python
-"""Run Pyro's own ``tests/infer`` files with pyro_gradroute's ELBOs in place of Pyro's.
+"""Run Pyro's own tests with pyro_gradroute's ELBOs in place of Pyro's.
 
 Modes (``--elbo``, repeatable or comma-separated; default ``trace,stl,dreg``):
 
-* ``trace``: ``pyro_gradroute.infer.Trace_ELBO`` replaces ``pyro.infer.Trace_ELBO``;
-* ``stl``:   ``pyro_gradroute.infer.TraceSTL_ELBO`` replaces ``pyro.infer.Trace_ELBO``;
-* ``dreg``:  ``pyro_gradroute.infer.TraceDReG_ELBO`` replaces ``pyro.infer.RenyiELBO``
-  built with ``alpha=0`` (``vectorize_particles`` is forced on when ``num_particles > 1``,
-  since DReG draws coupled particles in one pass; the baseline rerun with Pyro's
-  ``RenyiELBO`` is coerced alike; ``--strict`` keeps the test's value).
+* ``trace``:      ``pyro_gradroute.infer.Trace_ELBO`` replaces ``pyro.infer.Trace_ELBO``;
+* ``stl``:        ``pyro_gradroute.infer.TraceSTL_ELBO`` replaces ``pyro.infer.Trace_ELBO``;
+* ``adaptive``:   ``pyro_gradroute.infer.TraceAdaptiveSTL_ELBO`` replaces
+  ``pyro.infer.Trace_ELBO``;
+* ``dreg``:       ``pyro_gradroute.infer.TraceDReG_ELBO(alpha)`` replaces
+  ``pyro.infer.RenyiELBO(alpha)``, every alpha (``vectorize_particles`` is forced on when
+  ``num_particles > 1``, since DReG draws coupled particles in one pass; the baseline rerun
+  with Pyro's ``RenyiELBO`` is coerced alike; ``--strict`` keeps the test's value);
+* ``dreg-trace``: ``pyro_gradroute.infer.TraceDReG_ELBO(num_particles)`` replaces
+  ``pyro.infer.Trace_ELBO(num_particles)``: DReG on the tests written for the ELBO (the
+  structured-guide tests; the K-particle bound's values differ from the ELBO's for K > 1,
+  and equal sticking the landing at K = 1);
+* ``handler``:    every ``pyro.infer`` ELBO class (``Trace_ELBO``, ``TraceGraph_ELBO``,
+  ``TraceEnum_ELBO``, ``TraceMeanField_ELBO``, their Jit versions, ``TraceTMC_ELBO``, and the
+  importance-weighted ones, which must refuse) with the guide wrapped in
+  ``pyro_gradroute.poutine.stick_the_landing``.
+
+Files (``--files``, relative to ``tests/infer`` or, starting with ``tests/``, to the
+checkout): the defaults below, from ``tests/infer`` and the test folders outside it that
+build ELBOs (optim, nn, easyguide, distributions, contrib, poutine).
 
 The substitution is done by a pytest plugin (``gradroute_peer_plugin.py``, loaded with
 ``-p``) before any test module is imported. Only tests that actually build the
@@ -40,10 +54,10 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 
-# Default files (relative to tests/infer), with rough single-core seconds for scheduling
-# (longest first). Files that never name the replaced class are skipped for that mode
-# (test_elbo_mapdata.py, test_conjugate_gradients.py, test_compute_downstream_costs.py
-# build TraceGraph_ELBO only).
+# Default files (relative to tests/infer, or to the checkout when starting with tests/),
+# with rough single-core seconds for scheduling (longest first). Files that never name a
+# replaced class are skipped for that mode (test_elbo_mapdata.py,
+# test_conjugate_gradients.py, test_compute_downstream_costs.py build TraceGraph_ELBO only).
 DEFAULT_FILES = {
     "test_autoguide.py": 300,
     "test_gradient.py": 200,
@@ -54,28 +68,92 @@ DEFAULT_FILES = {
     "reparam/test_structured.py": 40,
     "reparam/test_stable.py": 60,
     "autoguide/test_gaussian.py": 30,
+    "autoguide/test_mean_field_entropy.py": 10,
     "reparam/test_strategies.py": 20,
     "reparam/test_split.py": 20,
     "test_abstract_infer.py": 10,
     "test_multi_sample_elbos.py": 10,
     "test_enum.py": 60,
+    # outside tests/infer: the tests there that build ELBOs
+    "tests/optim/test_optim.py": 30,
+    "tests/nn/test_module.py": 20,
+    "tests/contrib/easyguide/test_easyguide.py": 30,
+    "tests/distributions/test_hmm.py": 60,
+    "tests/distributions/test_nanmasked.py": 10,
+    "tests/distributions/test_relaxed_straight_through.py": 20,
+    "tests/distributions/test_sine_skewed.py": 20,
+    "tests/distributions/test_sine_bivariate_von_mises.py": 20,
+    "tests/distributions/test_stable_log_prob.py": 30,
+    "tests/contrib/gp/test_parameterized.py": 10,
+    "tests/contrib/tracking/test_em.py": 30,
+    "tests/poutine/test_poutines.py": 30,
+    "tests/poutine/test_counterfactual.py": 10,
 }
-# Added to the default of one mode: test_inference.py holds the RenyiELBO(alpha=0) tests
-# (its Trace_ELBO convergence tests take long: pass it with --files or --full).
+# Added to the default of one mode: test_inference.py holds the RenyiELBO tests (its
+# Trace_ELBO convergence tests take long: pass it with --files or --full).
 MODE_DEFAULT_EXTRA = {"dreg": ["test_inference.py"]}
+# The structured-guide tests: the default of the dreg-trace mode.
+STRUCTURED_FILES = [
+    "reparam/test_structured.py",
+    "autoguide/test_gaussian.py",
+    "autoguide/test_mean_field_entropy.py",
+    "test_autoguide.py",
+]
+MODE_DEFAULT_FILES = {"dreg-trace": STRUCTURED_FILES}
 # --full adds the long SVI convergence files (an hour or more on 2 cores).
 FULL_EXTRA = ["test_inference.py", "test_predictive.py", "autoguide/test_inference.py"]
 COST = {**DEFAULT_FILES, "test_inference.py": 900, "test_predictive.py": 600}
 COST["autoguide/test_inference.py"] = 300
 
+_HANDLER_NAMES = (
+    "Trace_ELBO",
+    "TraceMeanField_ELBO",
+    "TraceGraph_ELBO",
+    "TraceEnum_ELBO",
+    "TraceTMC_ELBO",
+    "RenyiELBO",
+    "TraceTailAdaptive_ELBO",
+    "ReweightedWakeSleep",
+)
 MODES = {
-    # mode: (name replaced in pyro.infer, baseline mode with Pyro's own class, label)
-    "trace": ("Trace_ELBO", "pyro-trace", "pyro_gradroute Trace_ELBO"),
-    "stl": ("Trace_ELBO", "pyro-trace", "pyro_gradroute TraceSTL_ELBO"),
-    "dreg": ("RenyiELBO", "pyro-renyi", "pyro_gradroute TraceDReG_ELBO (for RenyiELBO alpha=0)"),
-    "pyro-trace": ("Trace_ELBO", None, "pyro Trace_ELBO (baseline)"),
-    "pyro-renyi": ("RenyiELBO", None, "pyro RenyiELBO alpha=0 (baseline)"),
+    # mode: (name replaced in pyro.infer, baseline mode with Pyro's own class, label,
+    #        the names a file must mention to be run)
+    "trace": ("Trace_ELBO", "pyro-trace", "pyro_gradroute Trace_ELBO", ("Trace_ELBO",)),
+    "stl": ("Trace_ELBO", "pyro-trace", "pyro_gradroute TraceSTL_ELBO", ("Trace_ELBO",)),
+    "adaptive": (
+        "Trace_ELBO",
+        "pyro-trace",
+        "pyro_gradroute TraceAdaptiveSTL_ELBO",
+        ("Trace_ELBO",),
+    ),
+    "dreg": (
+        "RenyiELBO",
+        "pyro-renyi",
+        "pyro_gradroute TraceDReG_ELBO(alpha) (for RenyiELBO(alpha))",
+        ("RenyiELBO",),
+    ),
+    "dreg-trace": (
+        "Trace_ELBO",
+        "pyro-trace",
+        "pyro_gradroute TraceDReG_ELBO(num_particles) (for Trace_ELBO)",
+        ("Trace_ELBO",),
+    ),
+    "handler": (
+        "ELBOs",
+        "pyro-elbos",
+        "pyro's ELBOs with stick_the_landing(guide)",
+        _HANDLER_NAMES,
+    ),
+    "pyro-trace": ("Trace_ELBO", None, "pyro Trace_ELBO (baseline)", ("Trace_ELBO",)),
+    "pyro-renyi": ("RenyiELBO", None, "pyro RenyiELBO (baseline)", ("RenyiELBO",)),
+    "pyro-elbos": ("ELBOs", None, "pyro's ELBOs (baseline)", _HANDLER_NAMES),
 }
+
+
+def file_path(f: str) -> str:
+    """A ``--files`` entry as a path relative to the checkout."""
+    return f if f.startswith("tests/") else f"tests/infer/{f}"
+
 
 # Reasons for failures, checked in order, first match wins: (modes, node id glob,
 # regex on "ExcType: message", reason). "bug:" reasons are listed first in the report.
@@ -87,7 +165,7 @@ KNOWN = [
         "documented limitation: DReG needs a pathwise derivative (non-reparameterized guide)",
     ),
     (
-        {"stl"},
+        {"stl", "adaptive", "handler", "dreg-trace"},
         "*",
         r"(?s)ValueError: .*(Delta whose log_density depends|@ .*check_delta_density)",
         "documented limitation: STL refuses guides whose Delta sites' log_density depends on"
@@ -95,20 +173,35 @@ KNOWN = [
         " would bias the gradient",
     ),
     (
-        {"stl"},
+        {"stl", "adaptive", "handler"},
         "*",
-        r"UserWarning: TraceSTL_ELBO: guide site .* cannot be split",
+        r"UserWarning: \w+: guide site .* cannot be split",
         "harness: Pyro's tests turn warnings into errors; STL's documented fallback warns",
     ),
     (
-        {"stl"},
+        {"handler"},
+        "*",
+        r"ValueError: .*ELBOs that take log q's gradient as a plain sum",
+        "documented refusal: stick_the_landing under an ELBO whose particle weights depend on"
+        " log q (RenyiELBO, ReweightedWakeSleep, TraceTailAdaptive_ELBO, ...)",
+    ),
+    (
+        {"adaptive"},
+        "tests/optim/test_optim.py::test_checkpoint*",
+        r"AssertionError",
+        "documented state: the adaptive estimator's control-variate moments live in the ELBO"
+        " (state_dict / load_state_dict); Pyro's checkpoint test saves only the optimizer and"
+        " the param store and resumes with a new ELBO",
+    ),
+    (
+        {"stl", "adaptive", "handler", "dreg-trace"},
         "tests/infer/test_gradient.py::test_particle_gradient*-reparam*",
         r"AssertionError",
         "legitimate estimator difference: exact-value test of one sample's gradient, whose"
         " expected value includes the zero-mean score term that STL drops",
     ),
     (
-        {"stl"},
+        {"stl", "adaptive", "handler", "dreg-trace"},
         "tests/infer/reparam/test_conjugate.py::test_*_elbo*",
         r"AssertionError",
         "legitimate estimator difference: the guide is the exact posterior and shares its"
@@ -310,8 +403,16 @@ def report(results: dict, seconds: float) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--pyro-src", default=os.environ.get("PYRO_SRC"), help="Pyro checkout")
-    p.add_argument("--elbo", action="append", help="trace, stl, dreg (default: all three)")
-    p.add_argument("--files", nargs="+", help="test files, relative to tests/infer")
+    p.add_argument(
+        "--elbo",
+        action="append",
+        help="trace, stl, adaptive, dreg, dreg-trace, handler (default: trace,stl,dreg)",
+    )
+    p.add_argument(
+        "--files",
+        nargs="+",
+        help="test files, relative to tests/infer (or to the checkout, starting with tests/)",
+    )
     p.add_argument("--full", action="store_true", help="add " + ", ".join(FULL_EXTRA))
     p.add_argument("--jobs", "-j", type=int, default=min(2, os.cpu_count() or 1))
     p.add_argument("--timeout", type=float, default=1800, help="seconds per file")
@@ -338,9 +439,9 @@ def main(argv=None) -> int:
     base_files = [f.removeprefix("tests/infer/") for f in args.files or DEFAULT_FILES]
     if args.full:
         base_files += [f for f in FULL_EXTRA if f not in base_files]
-    for f in base_files:
-        if not (src / "tests" / "infer" / f).is_file():
-            p.error(f"no such file: {src / 'tests' / 'infer' / f}")
+    for f in {*base_files, *(g for fs in MODE_DEFAULT_FILES.values() for g in fs)}:
+        if not (src / file_path(f)).is_file():
+            p.error(f"no such file: {src / file_path(f)}")
     extra = ["-k", args.keyword] if args.keyword else []
 
     print(f"pyro-ppl {installed_pyro_version()}, Pyro tests from {src}")
@@ -350,16 +451,17 @@ def main(argv=None) -> int:
     results = {}
     t_start = time.time()
     for mode in modes:
-        replaced, baseline, label = MODES[mode]
+        replaced, baseline, label, names = MODES[mode]
         files = list(base_files)
         if not args.files:
+            files = list(MODE_DEFAULT_FILES.get(mode, files))
             files += [f for f in MODE_DEFAULT_EXTRA.get(mode, []) if f not in files]
-        todo = [f for f in files if mentions(src / "tests" / "infer" / f, replaced)]
+        todo = [f for f in files if any(mentions(src / file_path(f), n) for n in names)]
         skipped = [f for f in files if f not in todo]
         todo.sort(key=lambda f: -COST.get(f, 30))  # longest first
         print(f"\n== {mode}: {label} replaces pyro.infer.{replaced}")
         if skipped:
-            print(f"   (files not mentioning {replaced}, skipped: {', '.join(skipped)})")
+            print(f"   (files not mentioning {'/'.join(names)}, skipped: {', '.join(skipped)})")
         per_file, tests = {}, {}
         with cf.ThreadPoolExecutor(max(1, args.jobs)) as pool:
             futs = {
@@ -367,7 +469,7 @@ def main(argv=None) -> int:
                     run_pytest,
                     src,
                     mode,
-                    [f"tests/infer/{f}", *extra],
+                    [file_path(f), *extra],
                     args.timeout,
                     args.strict,
                     args.all_tests,
