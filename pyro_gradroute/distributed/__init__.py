@@ -23,6 +23,12 @@ minibatch of size :math:`Rb`, scaled by :math:`N / (Rb)`). Three pieces:
 
 Only ``.grad`` is touched, so every ELBO works: Pyro's, and this package's (including
 routed ``block_grad`` backward passes and ``TraceDReG_ELBO``).
+
+This module is for ``SVI`` with :mod:`pyro.optim` and the param store. A training loop over
+an ``ELBOModule`` (``loss_fn = TraceSTL_ELBO()(model, guide)``) with a ``torch.optim``
+optimizer, or PyTorch Lightning, uses ``torch.nn.parallel.DistributedDataParallel(loss_fn)``
+(Lightning: ``strategy="ddp"``) instead; every estimator of :mod:`pyro_gradroute.infer` works
+under it (``examples/lightning_svi.py``).
 """
 
 from .gradients import ParameterMismatchError, average_gradients
