@@ -5,6 +5,8 @@ Run: ``python benchmarks/bench_stl.py`` (add ``--quick`` for a short run).
 (a) a VAE on binarized 8x8 digits and (b) a hierarchical model with AutoNormal: per-step
 time and saved-for-backward memory of STL over Trace_ELBO, measured side by side
 (interleaved) in one process, one thread. Targets: time <= 1.03, memory <= 1.02.
+(d) AutoNormal over 1 to 800 scalar sites (target at 800: <= 1.06, no per-site term that
+grows with the number of sites) and a 20-site conditional chain guide (target <= 1.20).
 (b') ``stick_the_landing`` inside Pyro's own ``Trace_ELBO`` (hierarchical model) and
 ``TraceEnum_ELBO`` (a Gaussian mixture with enumerated assignments) over the plain
 ELBO, and inside ``JitTrace_ELBO`` over plain ``JitTrace_ELBO`` (also printed: the JIT's
@@ -146,6 +148,50 @@ def bench_enum_mixture(rounds, n=500):
     return _measure(_svi_steps(mixture_model, (data,), runs), rounds)
 
 
+def many_sites_model(n):
+    for i in range(n):
+        pyro.sample(f"z{i}", dist.Normal(0.0, 1.0))
+    pyro.sample("x", dist.Normal(0.0, 1.0), obs=torch.tensor(0.3))
+
+
+def bench_many_sites(rounds, n):
+    """AutoNormal over ``n`` scalar latent sites: per-site cost (loss_and_grads, no optimizer)."""
+    pyro.clear_param_store()
+    model = lambda: many_sites_model(n)  # noqa: E731
+    guide = AutoNormal(model)
+    guide()
+    steps = {}
+    for name, elbo in (("Trace_ELBO", PyroTrace_ELBO()), ("TraceSTL_ELBO", TraceSTL_ELBO())):
+        steps[name] = lambda elbo=elbo: elbo.loss_and_grads(model, guide)
+    return _measure(steps, rounds)
+
+
+def chain_model(T=20):
+    prev = torch.tensor(0.0)
+    for t in range(T):
+        prev = pyro.sample(f"z{t}", dist.Normal(0.9 * prev, 1.0))
+        pyro.sample(f"x{t}", dist.Normal(prev, 0.5), obs=torch.tensor(0.1 * t))
+
+
+def chain_guide(T=20):
+    a = pyro.param("ch_a", torch.full((T,), 0.5))
+    b = pyro.param("ch_b", torch.zeros(T))
+    s = pyro.param("ch_s", torch.full((T,), 0.5), constraint=constraints.positive)
+    prev = torch.tensor(0.0)
+    for t in range(T):
+        prev = pyro.sample(f"z{t}", dist.Normal(a[t] * prev + b[t], s[t]))
+
+
+def bench_chain(rounds):
+    """A 20-site conditional chain guide q(z_t | z_{t-1})."""
+    pyro.clear_param_store()
+    runs = {
+        "Trace_ELBO": (chain_guide, PyroTrace_ELBO()),
+        "TraceSTL_ELBO": (chain_guide, TraceSTL_ELBO()),
+    }
+    return _measure(_svi_steps(chain_model, (), runs), rounds)
+
+
 def variance_vs_distance(distances, draws):
     """Total gradient variance of STL and Trace_ELBO at guides ``t`` posterior-sds away."""
     model, guide, post_mean, post_sd = gaussian_problem()
@@ -179,6 +225,8 @@ def main(argv=None):
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--quick", action="store_true", help="fewer rounds (noisier)")
+    parser.add_argument("--only", default=None, help="run the cases whose name contains this")
+    parser.add_argument("--no-variance", action="store_true", help="skip the variance table")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     pyro.set_rng_seed(0)
@@ -191,8 +239,18 @@ def main(argv=None):
         ("stick_the_landing in Pyro's Trace_ELBO (J=200)", bench_handler_hierarchical),
         ("stick_the_landing in TraceEnum_ELBO (mixture)", bench_enum_mixture),
         ("stick_the_landing in JitTrace_ELBO (J=200)", bench_jit_hierarchical),
+        *(
+            (
+                f"AutoNormal, {n} latent sites (loss_and_grads)",
+                lambda r, n=n: bench_many_sites(r, n),
+            )
+            for n in (1, 100, 400, 800)
+        ),
+        ("conditional chain guide, 20 sites", bench_chain),
     )
     for name, fn in cases:
+        if args.only and args.only not in name:
+            continue
         t, m = fn(rounds)
         rows.append(
             (
@@ -205,6 +263,8 @@ def main(argv=None):
         )
     print("STL over Trace (targets: TraceSTL_ELBO time <= 1.03, memory <= 1.02; handler <= 1.05)")
     print_table(rows, ("model", "Trace ms/step", "STL ms/step", "time ratio", "memory ratio"))
+    if args.no_variance:
+        return
     print()
     print("Gradient variance vs distance from the posterior (D=10 conjugate Gaussian)")
     distances = [0.0, 0.1, 0.3, 1.0, 2.0, 3.0, 5.0]

@@ -45,13 +45,31 @@ class TraceSTL_ELBO(Trace_ELBO):
       function term; only their entropy term is taken pathwise;
     * ``Delta`` sites (AutoDelta, and the sites AutoContinuous guides unpack) have no
       random draw of their own: their value's gradient is the model's, and their
-      ``log_density`` is taken pathwise through the draws it is computed from. A
-      ``log_density`` that depends on parameters directly (``AutoStructured``, ``AutoGaussian``) is an
-      error naming the site;
+      ``log_density`` is taken pathwise through the draws it is computed from.
+      ``AutoStructured`` and ``AutoGaussian`` (dense), whose Deltas' ``log_density``
+      depends on the parameters directly, take the pathwise part of the joint density
+      through the guide's affine map; any other ``log_density`` that depends on
+      parameters directly is an error naming the site;
     * a site whose distribution cannot be split (a flow without an inverse, e.g.
       Planar) gets the ordinary gradient, with a warning naming it;
     * ``infer={"stl": False}`` on a guide site restores the ordinary gradient there;
       ``infer={"stl": True}`` on a site without ``rsample`` is an error.
+
+    ``trace_steps=N``: the first ``N`` calls of ``loss_and_grads`` (SVI steps) take the
+    ordinary ``Trace_ELBO`` gradient, and sticking the landing starts after them. Far from
+    the posterior (Pyro's narrow initial scales, e.g. ``AutoNormal(init_scale=0.1)``) STL's
+    variance can exceed ``Trace_ELBO``'s; starting with ``Trace_ELBO`` avoids that regime.
+    :class:`~pyro_gradroute.infer.TraceAdaptiveSTL_ELBO` makes this choice from measured
+    variances, per parameter element.
+
+    **Cost.** A site of a plain family (a torch or Pyro distribution, ``Independent``,
+    ``expand``, ``mask``, or a parameter-free ``TransformedDistribution`` over one) takes
+    its pathwise part from one evaluation of a copy with detached parameters at the live
+    sample: the step costs what ``Trace_ELBO``'s does. A conditional site (parameters
+    computed from earlier samples) adds one custom node that sends the partials to the
+    samples it reads. Guides with flows, ``Rejector``-like families, straight-through
+    samples or parameter-dependent Deltas take the general split (relays, forward-carried
+    flow rules) on every step.
 
     Example::
 
@@ -69,13 +87,18 @@ class TraceSTL_ELBO(Trace_ELBO):
         >>> loss = svi.step(torch.randn(10))
     """
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, trace_steps: int = 0, **kwargs):
         super().__init__(*args, **kwargs)
         if self.num_particles < 1:
             raise ValueError(
                 f"{type(self).__name__}: num_particles must be at least 1, got {self.num_particles}"
             )
-        self._policy = STLPolicy(type(self).__name__)
+        self._policy = STLPolicy(type(self).__name__, trace_steps)
+
+    def loss_and_grads(self, model, guide, *args, **kwargs) -> float:
+        loss = super().loss_and_grads(model, guide, *args, **kwargs)
+        self._policy.advance()
+        return loss
 
     _splits = True
 

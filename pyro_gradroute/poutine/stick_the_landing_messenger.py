@@ -54,17 +54,41 @@ class STLPolicy:
       under Pyro, with the pathwise parts filled from detached copies
       (:mod:`~pyro_gradroute.poutine.pathwise`).
 
+    * ``trace_steps``: the first ``trace_steps`` steps take the ordinary (``Trace_ELBO``)
+      gradient everywhere, then sticking the landing starts (:meth:`advance` counts steps).
+      Far from the posterior, from a narrow initial scale especially, the score part that
+      STL drops is what cancels the noise of the entropy gradient (for a Normal site the
+      gradient of the entropy with respect to ``log sigma`` is exactly -1 with it, ``-eps^2``
+      without it), so a short ``Trace_ELBO`` phase first avoids STL's worst regime.
+
     :param owner: the name the warnings use.
+    :param trace_steps: number of initial steps with the ordinary gradient (``>= 0``).
     """
 
-    def __init__(self, owner: str):
+    def __init__(self, owner: str, trace_steps: int = 0):
+        if isinstance(trace_steps, bool) or not isinstance(trace_steps, int) or trace_steps < 0:
+            raise ValueError(
+                f"{owner}: trace_steps must be an integer >= 0 (the number of initial steps "
+                f"with the ordinary Trace_ELBO gradient), got {trace_steps!r}"
+            )
         self.owner = owner
+        self.trace_steps = trace_steps
+        self.steps = 0
         self._general: weakref.WeakSet = weakref.WeakSet()
         self._plain: weakref.WeakSet = weakref.WeakSet()
         self._warned: set[str] = set()
 
+    @property
+    def active(self) -> bool:
+        """Whether sticking the landing is on (the ``Trace_ELBO`` phase is over)."""
+        return self.steps >= self.trace_steps
+
+    def advance(self) -> None:
+        """Count one step (a gradient evaluation)."""
+        self.steps += 1
+
     def uses_pathwise(self, site) -> bool:
-        return uses_pathwise(site)
+        return uses_pathwise(site) and self.active
 
     def fallback(self, rec, error) -> bool:
         if rec.name not in self._warned:
@@ -94,10 +118,11 @@ class STLPolicy:
             pass
 
     def __getstate__(self) -> dict:
-        return {"owner": self.owner}
+        return {"owner": self.owner, "trace_steps": self.trace_steps, "steps": self.steps}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["owner"])
+        self.__init__(state["owner"], state["trace_steps"])
+        self.steps = state["steps"]
 
 
 def _allowed_elbos() -> tuple:
@@ -262,8 +287,8 @@ class StickTheLandingMessenger(SplitMessenger):
         >>> loss = svi.step(torch.randn(5))
     """
 
-    def __init__(self) -> None:
-        self._policy = STLPolicy("sticking the landing")
+    def __init__(self, trace_steps: int = 0) -> None:
+        self._policy = STLPolicy("sticking the landing", trace_steps)
         super().__init__(self._new_batch())
         self._fast = False  # the first run takes the general split and finds what the guide needs
         self._run = _Run()
@@ -332,7 +357,12 @@ class StickTheLandingMessenger(SplitMessenger):
         self._run.add(value)
 
     def __exit__(self, *args):
-        if args[0] is None:
+        if args[0] is None and not self._policy.active:
+            if torch.is_grad_enabled():
+                self._policy.advance()
+        elif args[0] is None:
+            if torch.is_grad_enabled():
+                self._policy.advance()
             if self._fast:
                 changed = self._run.changed
             else:
@@ -366,8 +396,14 @@ def _fast_enough(batch: SplitBatch) -> bool:
     return True
 
 
-def stick_the_landing(fn: Callable | None = None) -> StickTheLandingMessenger | Callable:
+def stick_the_landing(
+    fn: Callable | None = None, *, trace_steps: int = 0
+) -> StickTheLandingMessenger | Callable:
     """Handler form of :class:`StickTheLandingMessenger` (like ``pyro.poutine.scale``).
+
+    ``trace_steps``: the first ``trace_steps`` runs of the guide with gradients enabled
+    (one per SVI step and particle) keep the ordinary gradient; sticking the landing
+    starts after them (see :class:`STLPolicy`).
 
     Example::
 
@@ -380,5 +416,5 @@ def stick_the_landing(fn: Callable | None = None) -> StickTheLandingMessenger | 
 
     :returns: the wrapped ``fn``, or the messenger (a context manager) if ``fn`` is None.
     """
-    msngr = StickTheLandingMessenger()
+    msngr = StickTheLandingMessenger(trace_steps)
     return msngr if fn is None else msngr(fn)
