@@ -7,13 +7,13 @@ dependence on the parameters stopped. The cheapest exact mechanism is chosen per
 * a plain family whose parameters are not computed from earlier samples: one
   evaluation of a detached copy at the live sample
   (:func:`~pyro_gradroute.distributions.detached.detached_copy`); no custom node;
-* a plain family whose parameters read earlier samples :math:`u` (a conditional guide
-  :math:`q(z_2 \mid z_1)`): the split node of
-  :func:`~pyro_gradroute.distributions.split.split_score_parts`, which also sends the
+* plain families whose parameters read earlier samples :math:`u` (conditional sites
+  :math:`q(z_2 \mid z_1)`): one split node for all of them
+  (:func:`~pyro_gradroute.distributions.split.split_score_parts`), which also sends the
   partials :math:`\partial \log q / \partial u` to the samples read. The samples read
-  are found by walking the parameters' graph, stopping at earlier samples; when they
-  depend on each other the node turns total derivatives into partials, so no sample
-  needs a cut point;
+  are found by walking the parameters' graph, stopping at earlier samples. This needs no
+  cut point when no sample read is computed from another one read (hierarchies: many
+  sites reading one global sample); chains and dense DAGs take the general split;
 * anything else (flows, families with their own ``score_parts``, straight-through
   samples, Delta sites whose density depends on parameters directly): the general
   split with relays (:class:`~pyro_gradroute.poutine.split_messenger.SplitMessenger`).
@@ -24,6 +24,7 @@ dependence on the parameters stopped. The cheapest exact mechanism is chosen per
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from pyro.distributions.score_parts import ScoreParts
@@ -32,6 +33,7 @@ from pyro.poutine.util import site_is_subsample
 from ..distributions.detached import detached_copy, param_tensors
 from ..distributions.split import (
     SplitNotSupported,
+    _above,
     delta_base,
     reaches_leaf_directly,
     split_score_parts,
@@ -78,12 +80,22 @@ class NeedsGeneralSplit(Exception):
     """A site whose pathwise part needs the general split (relays and forward-carried rules)."""
 
 
+class Conditional(NamedTuple):
+    """A site whose parameters read earlier samples: evaluated with the others, in one node."""
+
+    name: str
+    fn: object
+    value: torch.Tensor
+    upstream: tuple[int, ...]  # indices of the earlier samples it reads
+
+
 def site_pathwise(name: str, fn, value: torch.Tensor, earlier: list[torch.Tensor], nodes: dict):
     """The pathwise :class:`~pyro.distributions.score_parts.ScoreParts` of one site (unscaled).
 
     ``None``: the site needs no split (a Delta computed from earlier draws: its ordinary
-    parts are all pathwise). Raises :class:`NeedsGeneralSplit` where the general split
-    is needed.
+    parts are all pathwise). A :class:`Conditional`: the site reads earlier samples, and
+    :func:`conditional_pathwise` evaluates it. Raises :class:`NeedsGeneralSplit` where the
+    general split is needed.
     """
     d = delta_base(fn)
     if d is not None:
@@ -116,12 +128,27 @@ def site_pathwise(name: str, fn, value: torch.Tensor, earlier: list[torch.Tensor
             "by the JIT. Use the non-JIT ELBO (Trace_ELBO, TraceGraph_ELBO, TraceEnum_ELBO) "
             "with stick_the_landing, or pyro_gradroute.infer.TraceSTL_ELBO."
         )
-    upstream = [earlier[i] for i in ups]
+    return Conditional(name, fn, value, tuple(ups))
+
+
+def conditional_pathwise(items: list[Conditional], earlier: list[torch.Tensor]) -> list[ScoreParts]:
+    """The pathwise parts of conditional sites, from one split node with no cut points.
+
+    The node sends each site's partials to the samples it reads. That is exact when no
+    sample read is computed from another one read (hierarchies, trees: many sites reading
+    the same global sample); otherwise (chains, dense DAGs) the partials need the cut
+    points of the general split, and this raises :class:`NeedsGeneralSplit`.
+    """
+    read = sorted({i for it in items for i in it.upstream})
+    if len(read) > 1 and _above([earlier[i] for i in read]) is not None:
+        raise NeedsGeneralSplit(items[0].name)
     try:
-        ((_, path, _),) = split_score_parts([(fn, value, upstream, None)], dependent_ok=True)
+        out = split_score_parts(
+            [(it.fn, it.value, [earlier[i] for i in it.upstream], None) for it in items]
+        )
     except SplitNotSupported as e:
-        raise NeedsGeneralSplit(name) from e
-    return path
+        raise NeedsGeneralSplit(items[0].name) from e
+    return [path for _, path, _ in out]
 
 
 def pathwise_score_parts(
@@ -132,30 +159,36 @@ def pathwise_score_parts(
     ``None`` if some site needs the general split (see the module docstring).
     """
     out: dict[str, ScoreParts] = {}
+    conditional: list[Conditional] = []
     earlier: list[torch.Tensor] = []
     nodes: dict = {}
-    for name, site in guide_trace.nodes.items():
-        if not latent_site(site):
-            continue
-        value = site["value"]
-        if uses_pathwise(site) and torch.is_tensor(value):
-            if (
-                site["infer"].get("is_auxiliary")
-                and delta_base(site["fn"]) is not None
-                and value.requires_grad
-                and reaches_leaf_directly(value, earlier)
-            ):
-                # an auxiliary Delta computed from parameters: the general split checks it
-                return None
-            try:
+    try:
+        for name, site in guide_trace.nodes.items():
+            if not latent_site(site):
+                continue
+            value = site["value"]
+            if uses_pathwise(site) and torch.is_tensor(value):
+                if (
+                    site["infer"].get("is_auxiliary")
+                    and delta_base(site["fn"]) is not None
+                    and value.requires_grad
+                    and reaches_leaf_directly(value, earlier)
+                ):
+                    # an auxiliary Delta computed from parameters: the general split checks it
+                    return None
                 parts = site_pathwise(name, site["fn"], value, earlier, nodes)
-            except NeedsGeneralSplit:
-                return None
-            if parts is not None:
-                out[name] = parts
-        if torch.is_tensor(value) and value.grad_fn is not None:
-            nodes[value.grad_fn] = len(earlier)
-            earlier.append(value)
+                if isinstance(parts, Conditional):
+                    conditional.append(parts)
+                elif parts is not None:
+                    out[name] = parts
+            if torch.is_tensor(value) and value.grad_fn is not None:
+                nodes[value.grad_fn] = len(earlier)
+                earlier.append(value)
+        if conditional:
+            for it, parts in zip(conditional, conditional_pathwise(conditional, earlier)):
+                out[it.name] = parts
+    except NeedsGeneralSplit:
+        return None
     return out
 
 

@@ -11,11 +11,11 @@ from pyro.distributions import TorchDistribution
 from torch.distributions import Distribution, kl_divergence, register_kl
 
 from .._compat import calling_elbo
-from ..distributions.detached import detached_copy
-from ..distributions.split import delta_base, reaches_leaf_directly
+from ..distributions.detached import detached_copy, param_tensors
+from ..distributions.split import _above, delta_base, reaches_leaf_directly
 from ..distributions.split_distribution import SplitBatch, SplitDistribution
 from .gated_distribution import GatedDistribution
-from .pathwise import NeedsGeneralSplit, site_pathwise
+from .pathwise import Conditional, NeedsGeneralSplit, conditional_pathwise, frontier, site_pathwise
 from .split_messenger import SplitMessenger, _split_of
 
 _EMPTY = torch.Size()
@@ -215,10 +215,9 @@ class PathwiseDistribution(TorchDistribution):
     def _pathwise(self, value):
         if value is None or value is not self._value or self._parts is None:
             return None
-        parts = self._parts
-        if callable(parts):
-            parts = self._parts = parts()
-        return parts
+        if callable(self._parts):
+            self._parts()  # evaluates the run's conditional sites, this one included
+        return self._parts
 
     def log_prob(self, value, *args, **kwargs):
         parts = self._pathwise(value)
@@ -242,6 +241,7 @@ class _Run:
         self.earlier: list[torch.Tensor] = []
         self.nodes: dict = {}
         self.changed = False
+        self.pending: list = []  # (wrapper, Conditional) not evaluated yet
 
     def add(self, value) -> None:
         if torch.is_tensor(value) and value.grad_fn is not None:
@@ -336,25 +336,39 @@ class StickTheLandingMessenger(SplitMessenger):
                 "guide only: SVI(model, stick_the_landing(guide), ...)."
             )
         if self._policy.uses_pathwise(msg):
-            run, earlier, nodes = self._run, list(self._run.earlier), dict(self._run.nodes)
             base, name = fn.base_dist, msg["name"]
-
-            def parts():
-                try:
-                    return site_pathwise(name, base, value, earlier, nodes)
-                except NeedsGeneralSplit:
-                    self._fast = False  # the guide changed: the next run takes the general split
-                    warnings.warn(
-                        f"sticking the landing: guide site '{name}' needs the general split, "
-                        "which this run did not prepare; it gets the ordinary gradient in this "
-                        "step (unbiased) and sticks the landing from the next step on.",
-                        stacklevel=3,
-                    )
-                    return None
-
+            try:
+                parts = site_pathwise(name, base, value, self._run.earlier, self._run.nodes)
+            except NeedsGeneralSplit:
+                parts = self._not_prepared(name)
+            if isinstance(parts, Conditional):
+                self._run.pending.append((fn, parts))
+                parts = self._resolve
             fn._parts = parts
-            run.changed = run.changed or delta_base(base) is None
+            self._run.changed = self._run.changed or delta_base(base) is None
         self._run.add(value)
+
+    def _not_prepared(self, name: str) -> None:
+        self._fast = False  # the guide changed: the next run takes the general split
+        warnings.warn(
+            f"sticking the landing: guide site '{name}' needs the general split, which this "
+            "run did not prepare; it gets the ordinary gradient in this step (unbiased) and "
+            "sticks the landing from the next step on.",
+            stacklevel=4,
+        )
+
+    def _resolve(self):
+        """Evaluate every pending conditional site of the run in one node (on first request)."""
+        run = self._run
+        pending, run.pending = run.pending, []
+        try:
+            out = conditional_pathwise([c for _, c in pending], run.earlier)
+        except NeedsGeneralSplit as e:
+            self._not_prepared(str(e))
+            out = [None] * len(pending)
+        for (wrapper, _), parts in zip(pending, out):
+            wrapper._parts = parts
+        return None  # the caller reads its own wrapper's parts again
 
     def __exit__(self, *args):
         if args[0] is None and not self._policy.active:
@@ -383,6 +397,9 @@ class StickTheLandingMessenger(SplitMessenger):
 
 def _fast_enough(batch: SplitBatch) -> bool:
     """Whether every STL site of a general run can take the fast path next time."""
+    outputs = batch.group.outputs
+    nodes = {r.grad_fn: i for i, r in enumerate(outputs)}
+    read: set[int] = set()
     for rec in batch.records.values():
         if not rec.stl:
             continue
@@ -393,7 +410,10 @@ def _fast_enough(batch: SplitBatch) -> bool:
                 return False
         elif hasattr(rec.raw, "_unquantize") or detached_copy(rec.fn, rec.raw) is None:
             return False
-    return True
+        else:
+            read.update(frontier(param_tensors(rec.fn), nodes))
+    # samples read by conditional sites: without cut points, none may be computed from another
+    return len(read) < 2 or _above([outputs[i] for i in sorted(read)]) is None
 
 
 def stick_the_landing(
