@@ -8,7 +8,8 @@ Both estimators write the gradient of one step as
 
 where :math:`g_\text{path}` is the estimator of the base class (:class:`TraceSTL_ELBO`,
 :class:`TraceDReG_ELBO`), :math:`g_\text{cv}` is a vector with mean zero, and :math:`b`
-holds one weight per parameter element, learned from running moments of earlier steps.
+holds one weight per parameter element, chosen from the parts of earlier steps: it
+starts at 1 (``Trace_ELBO`` / IWAE) and moves on evidence.
 """
 
 from __future__ import annotations
@@ -28,61 +29,168 @@ from .traces import scaled, site_parts
 __all__ = ["TraceAdaptiveDReG_ELBO", "TraceAdaptiveSTL_ELBO"]
 
 
-# ----------------------------------------------------------------------------- moments
+# ----------------------------------------------------------------------------- the policy
 class _ControlVariate:
-    """Per-parameter running moments and the weights ``b`` they give.
+    r"""Per-element choice of the control-variate weight ``b`` from earlier steps' two parts.
 
-    For every parameter that receives a control-variate gradient it keeps, with the same
-    shape as the parameter, exponential moving averages of ``(g_path - m) * g_cv`` and
-    ``g_cv ** 2`` (``m``: a running mean of ``g_path``, a third buffer, when ``center``).
+    The interface to the step: ``weight(name, like)`` gives the ``b`` this step applies
+    (``like``'s shape, dtype and device; ``None`` would mean 0), from earlier steps only;
+    ``update(name, g_path, g_cv)`` adds this step's parts, once per step, after the step's
+    gradient is formed. See :class:`TraceAdaptiveSTL_ELBO` for the rule.
+
+    Per parameter it keeps, with the parameter's shape, exponentially weighted sums
+    (factor ``decay``) of :math:`p = g_\text{path}`, :math:`c = g_\text{cv}`, :math:`pc`,
+    :math:`c^2` (the weighted least-squares fit of :math:`p` on :math:`c` with an
+    intercept; without ``center``, only :math:`pc` and :math:`c^2`: the intercept is 0)
+    and, for the standard error, of :math:`x^2y^2`, :math:`x^3y` and :math:`x^4`, with
+    :math:`x = c - \bar c` and :math:`y = p - \bar p` centred at the means of the steps
+    before (so :math:`E[x^2 (y + b x)^2]`, the squared residual at any :math:`b`, is a
+    quadratic in :math:`b`); and three scalars: the sums of the weights and of their
+    squares (the effective number of samples :math:`n = (\sum w)^2 / \sum w^2`), and
+    the residual moments' sum of weights.
     """
 
-    def __init__(self, decay: float, clip: float | None, warmup: int, center: bool):
+    _KEYS = ("sp", "sc", "spc", "scc", "xxyy", "xxxy", "xxxx")
+
+    def __init__(
+        self,
+        decay: float = 0.9,
+        clip: float | None = None,
+        warmup: int = 10,
+        center: bool = True,
+        confidence: float = 2.0,
+        fixed_weight: float | None = None,
+    ):
         if not 0.0 <= decay < 1.0:
             raise ValueError(f"decay must lie in [0, 1), got {decay}")
         if clip is not None and not clip > 0:
             raise ValueError(f"clip must be positive (a bound on |b|) or None, got {clip}")
-        if warmup < 0:
-            raise ValueError(f"warmup must be >= 0, got {warmup}")
-        self.decay, self.clip, self.warmup, self.center = decay, clip, int(warmup), center
+        if isinstance(warmup, bool) or not float(warmup).is_integer() or warmup < 0:
+            raise ValueError(f"warmup must be an integer number of steps >= 0, got {warmup}")
+        if not (math.isfinite(confidence) and confidence >= 0):
+            raise ValueError(
+                f"confidence must be a finite number of standard errors >= 0, got {confidence}"
+            )
+        if fixed_weight is not None and not math.isfinite(fixed_weight):
+            raise ValueError(f"fixed_weight must be a finite number or None, got {fixed_weight}")
+        self.decay, self.clip, self.warmup, self.center = float(decay), clip, int(warmup), center
+        self.confidence = float(confidence)
+        self.fixed_weight = None if fixed_weight is None else float(fixed_weight)
         self.state: dict[str, dict] = {}
 
+    # -- the rule ---------------------------------------------------------------------
+    def _fit(self, st: dict) -> dict:
+        """``b`` and what it is chosen from: ``b_hat``, its ``se``, the ``endpoint``, ``n_eff``."""
+        w1, n_eff = st["w1"], st["w1"] ** 2 / st["w2"]
+        cc = st["scc"] / w1
+        pc = st["spc"] / w1
+        if self.center:  # least squares with an intercept
+            mc = st["sc"] / w1
+            pc = pc - (st["sp"] / w1) * mc
+            cc = cc - mc.square()
+        tiny = torch.finfo(cc.dtype).tiny
+        # elements without a score part keep b = 1 (it changes nothing there)
+        has = cc > 1e-6 * st["scc"] / w1 + tiny
+        cc_ = torch.where(has, cc, torch.ones_like(cc))
+        b_hat = torch.where(has, -pc / cc_, torch.ones_like(cc))
+        if self.clip is not None:
+            b_hat = b_hat.clamp(-self.clip, self.clip)
+        # delta method: Var(b_hat) ~ E[x^2 r^2] / ((n - k) E[x^2]^2), k fitted coefficients
+        dof = n_eff - (2.0 if self.center else 1.0)
+        if st["qw"] > 0 and dof > 0:
+            resid = st["xxyy"] + 2 * b_hat * st["xxxy"] + b_hat.square() * st["xxxx"]
+            se = (resid.clamp_min(0) / st["qw"]).div(dof).sqrt() / cc_
+        else:
+            se = torch.full_like(cc, math.inf)
+        se = torch.where(has, se, torch.zeros_like(se))
+        zse = self.confidence * se
+        # the endpoint: Trace_ELBO (1) unless STL (0) is closer to b_hat by z standard errors
+        end = (b_hat + zse >= 0.5).to(b_hat.dtype)
+        d = b_hat - end
+        d2 = d.square()
+        # positive-part James-Stein: from the endpoint towards b_hat by 1 - (z se / d)^2
+        shrink = (1 - zse.square() / d2.clamp_min(tiny)).clamp_min(0)
+        shrink = torch.where(d2 > 0, shrink, torch.zeros_like(shrink)).nan_to_num(0.0)
+        return {"b": end + shrink * d, "b_hat": b_hat, "se": se, "endpoint": end, "n_eff": n_eff}
+
+    def _ready(self, st: dict | None) -> bool:
+        return st is not None and st["n"] > self.warmup and st["qw"] > 0
+
+    def _cached_fit(self, st: dict, like: torch.Tensor) -> dict:
+        fit = st.get("fit")
+        if fit is None or fit["b"].device != like.device or fit["b"].dtype != like.dtype:
+            self._to(st, like)
+            fit = st["fit"] = self._fit(st)
+        return fit
+
     def weight(self, name: str, like: torch.Tensor) -> torch.Tensor | None:
-        """``b`` for parameter ``name`` (``None`` means 0: no or too few earlier steps)."""
+        """``b`` for parameter ``name``, from earlier steps only.
+
+        ``1`` (``Trace_ELBO``) during the first ``warmup`` steps, and for a parameter whose
+        shape no longer matches ``like`` (its state is dropped: a new problem reused the
+        name); ``fixed_weight`` everywhere if set.
+        """
+        if self.fixed_weight is not None:
+            return torch.full_like(like, self.fixed_weight)
         st = self.state.get(name)
-        if st is None or st["n"] < max(self.warmup, 1):
+        if st is not None and st["scc"].shape != like.shape:
+            del self.state[name]
+            st = None
+        if not self._ready(st):
+            return torch.ones_like(like)
+        return self._cached_fit(st, like)["b"]
+
+    def diagnostics(self, name: str) -> dict | None:
+        """``{"b", "b_hat", "se", "endpoint", "n_eff"}`` of ``name`` (``None`` during warm-up)."""
+        st = self.state.get(name)
+        if not self._ready(st):
             return None
-        b = st.get("b")
-        if b is None or b.device != like.device or b.dtype != like.dtype:
-            ps, ss = st["ps"].to(like), st["ss"].to(like)
-            b = st["b"] = torch.div(ps, ss.clamp_min(torch.finfo(ss.dtype).tiny)).neg_()
-            if self.clip is not None:
-                b.clamp_(-self.clip, self.clip)
-        return b
+        return dict(self._cached_fit(st, st["scc"]))
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """``{name: b}`` that the next step applies, for every parameter with a state."""
+        out = {}
+        for name, st in list(self.state.items()):
+            b = self.weight(name, st["scc"])
+            out[name] = torch.zeros_like(st["scc"]) if b is None else b
+        return out
+
+    @staticmethod
+    def _to(st: dict, like: torch.Tensor) -> None:
+        for k, v in st.items():  # a loaded state may live on another device
+            if torch.is_tensor(v) and (v.device != like.device or v.dtype != like.dtype):
+                st[k] = v.to(like)
 
     def update(self, name: str, g_path: torch.Tensor, g_cv: torch.Tensor) -> None:
-        g_path, g_cv = g_path.detach(), g_cv.detach()
+        """Add one step's parts (call after the step's gradient is formed from ``weight``)."""
+        p, c = g_path.detach(), g_cv.detach()
         st = self.state.get(name)
-        if st is not None:  # a loaded state may live on another device
-            for k, v in st.items():
-                if torch.is_tensor(v) and (v.device != g_cv.device or v.dtype != g_cv.dtype):
-                    st[k] = v.to(g_cv)
-        if st is None or st["ps"].shape != g_cv.shape:
-            st = self.state[name] = {
-                "n": 0,
-                "ps": torch.zeros_like(g_cv),
-                "ss": torch.zeros_like(g_cv),
-            }
+        if st is None or st["scc"].shape != c.shape:
+            keys = self._KEYS if self.center else self._KEYS[2:]
+            st = self.state[name] = {k: torch.zeros_like(c) for k in keys}
+            st.update(n=0, w1=0.0, w2=0.0, qw=0.0, fit=None)
+        self._to(st, c)
+        beta = self.decay
+        if st["w1"] > 0:  # centred at the means of the steps before this one
             if self.center:
-                st["mean"] = g_path.clone()  # the first step's product is then 0
-        w = 1 - self.decay
-        centered = g_path - st["mean"] if self.center else g_path
-        st["ps"].lerp_(centered.mul_(g_cv) if self.center else centered * g_cv, w)
-        st["ss"].lerp_(g_cv * g_cv, w)
+                x, y = c - st["sc"] / st["w1"], p - st["sp"] / st["w1"]
+            else:
+                x, y = c, p
+            xx = x * x
+            xy = x * y
+            st["xxyy"].mul_(beta).add_(xy * xy)
+            st["xxxy"].mul_(beta).add_(xx * xy)
+            st["xxxx"].mul_(beta).add_(xx * xx)
+            st["qw"] = beta * st["qw"] + 1.0
+        st["spc"].mul_(beta).add_(p * c)
+        st["scc"].mul_(beta).add_(c * c)
         if self.center:
-            st["mean"].lerp_(g_path, w)
+            st["sp"].mul_(beta).add_(p)
+            st["sc"].mul_(beta).add_(c)
+        st["w1"] = beta * st["w1"] + 1.0
+        st["w2"] = beta * beta * st["w2"] + 1.0
         st["n"] += 1
-        st["b"] = None  # recomputed when next asked for
+        st["fit"] = None  # recomputed when next asked for
 
     def state_dict(self) -> dict:
         return {
@@ -90,19 +198,28 @@ class _ControlVariate:
             "clip": self.clip,
             "warmup": self.warmup,
             "center": self.center,
+            "confidence": self.confidence,
+            "fixed_weight": self.fixed_weight,
             "moments": {
                 k: {
                     kk: (v.clone() if torch.is_tensor(v) else v)
                     for kk, v in st.items()
-                    if kk != "b"
+                    if kk != "fit"
                 }
                 for k, st in self.state.items()
             },
         }
 
     def load_state_dict(self, state: dict) -> None:
+        missing = {"confidence", "fixed_weight"} - set(state)
+        if missing:
+            raise ValueError(
+                f"this control-variate state lacks {sorted(missing)}: it was saved by an older "
+                "version whose moments this policy cannot use; start from a fresh estimator"
+            )
         self.decay, self.clip = state["decay"], state["clip"]
         self.warmup, self.center = state["warmup"], state["center"]
+        self.confidence, self.fixed_weight = state["confidence"], state["fixed_weight"]
         self.state = {
             k: {kk: (v.clone() if torch.is_tensor(v) else v) for kk, v in st.items()}
             for k, st in state["moments"].items()
@@ -168,8 +285,10 @@ class _AdaptiveMixin:
     _cv: _ControlVariate
     _distributed: bool | None
 
-    def _init_cv(self, decay, clip, warmup, center, distributed) -> None:
-        self._cv = _ControlVariate(decay, clip, warmup, center)
+    def _init_cv(
+        self, decay, clip, warmup, center, distributed, confidence=2.0, fixed_weight=None
+    ) -> None:
+        self._cv = _ControlVariate(decay, clip, warmup, center, confidence, fixed_weight)
         self._distributed = distributed
         self._collect: list | None = None  # per-particle stash, only inside loss_and_grads
 
@@ -183,12 +302,8 @@ class _AdaptiveMixin:
         return self._cv.clip
 
     def control_variate_weights(self) -> dict[str, torch.Tensor]:
-        """``{param name: b}`` (the weights the next step applies; zeros during warm-up)."""
-        out = {}
-        for name, st in self._cv.state.items():
-            b = self._cv.weight(name, st["ss"])
-            out[name] = torch.zeros_like(st["ss"]) if b is None else b
-        return out
+        """``{param name: b}`` (the weights the next step applies; ones during warm-up)."""
+        return self._cv.weights()
 
     def state_dict(self) -> dict:
         """The running moments and settings, to resume the same estimator from a checkpoint."""
@@ -198,7 +313,7 @@ class _AdaptiveMixin:
         self._cv.load_state_dict(state)
 
     def reset(self) -> None:
-        """Forget the moments (the next step is the base estimator's, ``b = 0``)."""
+        """Forget the moments (the next step is ``Trace_ELBO``'s / IWAE's, ``b = 1``)."""
         self._cv.state.clear()
 
     # -- the step -------------------------------------------------------------------
@@ -344,7 +459,11 @@ def _score_tensor(site):
 
 # ----------------------------------------------------------------------------- STL
 class TraceAdaptiveSTL_ELBO(_AdaptiveMixin, TraceSTL_ELBO):
-    r"""Trace ELBO whose score part is added back with a learned per-element weight.
+    r"""Trace ELBO whose score part is added back with a per-element weight chosen from past steps.
+
+    The recommended default: it starts as ``Trace_ELBO`` and moves each parameter element
+    to STL, or to the variance-optimal mix of the two, once earlier steps show that this
+    has lower gradient variance. Every step is unbiased.
 
     **The estimator.** For a reparameterized guide :math:`z = g(\epsilon; \phi)` the
     loss gradient of :class:`Trace_ELBO` splits into two parts,
@@ -379,15 +498,66 @@ class TraceAdaptiveSTL_ELBO(_AdaptiveMixin, TraceSTL_ELBO):
                 = -\frac{\mathbb E[(g_\text{path} - \mathbb E g_\text{path})\, g_\text{score}]}
                         {\mathbb E[g_\text{score}^2]},
 
-    where the variance is at most that of both STL and ``Trace_ELBO``. :math:`b^\star`
-    is estimated by exponential moving averages (factor ``decay``) of
-    :math:`(g_\text{path} - m)\,g_\text{score}` and :math:`g_\text{score}^2` over
-    earlier steps, where :math:`m` is a running mean of :math:`g_\text{path}` over
-    earlier steps (``center=True``, the default: any :math:`m` fixed before the draw
-    gives a consistent estimate, and subtracting the mean gradient removes the noise
-    it adds to the estimate far from the optimum and when the guide shares parameters
-    with the model; ``center=False`` uses :math:`m = 0`, two buffers instead of three),
-    optionally clipped to :math:`|b| \le` ``clip``.
+    where the variance is at most that of both STL and ``Trace_ELBO``. Because
+    :math:`\mathbb E[g_\text{score}] = 0`, every candidate's variance relative to STL,
+
+    .. math::
+
+        \operatorname{Var} g(b) - \operatorname{Var} g(0)
+            = 2b\,\mathbb E[g_\text{path}\, g_\text{score}] + b^2\, \mathbb E[g_\text{score}^2],
+        \qquad
+        \operatorname{Var} g(b) = \operatorname{Var} g(b^\star)
+            + (b - b^\star)^2 \operatorname{Var} g_\text{score},
+
+    comes from the same two parts of every step, without an estimate of the mean of
+    :math:`g_\text{path}`, which drifts during training.
+
+    **The policy: which** :math:`b`. Per element, from the parts of earlier steps with
+    weights ``decay`` :math:`^{\text{age}}` (effective number of samples
+    :math:`n = (\sum w)^2/\sum w^2`, 19 at the default 0.9):
+
+    1. the fit :math:`\hat b`, minus the weighted least-squares slope of
+       :math:`g_\text{path}` on :math:`g_\text{score}` with an intercept (the intercept
+       only removes the mean gradient's noise). It is exact where :math:`g_\text{path}`
+       is an affine function of :math:`g_\text{score}`: 0 at an exact posterior (STL's
+       gradient is 0 on every draw), 1 where ``Trace_ELBO``'s gradient is deterministic;
+    2. its standard error :math:`s`, by the delta method:
+       :math:`s^2 = \mathbb E[x^2 (y + \hat b x)^2] / ((n - 2) \operatorname{Var}(x)^2)`,
+       :math:`x, y` the two parts centred at the means of the steps before;
+    3. the endpoint :math:`e`: ``Trace_ELBO`` (1) unless STL (0) is better by ``confidence``
+       :math:`= z` standard errors, :math:`\hat b + z s < 1/2` (STL beats ``Trace_ELBO``
+       exactly when :math:`b^\star < 1/2`);
+    4. the weight, moved from :math:`e` towards :math:`\hat b` by a positive-part
+       James-Stein factor: :math:`b = e + \lambda (\hat b - e)`,
+       :math:`\lambda = \max\big(0,\, 1 - (z s)^2 / (\hat b - e)^2\big)`: it stays at the
+       endpoint while :math:`\hat b` is within :math:`z` standard errors of it.
+
+    The first ``warmup`` steps, and a parameter new to the estimator (or whose shape
+    changed: its state is reset), use :math:`b = 1`: the first step is exactly
+    ``Trace_ELBO``'s. Far from the posterior the score part is what cancels the noise of
+    the entropy gradient (for a Normal site, :math:`\partial/\partial\log\sigma` of the
+    entropy is :math:`-1` under ``Trace_ELBO``, :math:`-\epsilon^2`, variance 2, under
+    STL), so training starts where ``Trace_ELBO`` is the better estimator and moves to
+    STL where the model term starts cancelling that noise instead.
+
+    **"Never worse": what holds and where it cannot.** Along a whole run:
+
+    * *unbiased at every step*, whatever :math:`b` is (below): exact;
+    * *per-step variance no larger than the better of STL and* ``Trace_ELBO`` (the
+      endpoint :math:`e^\star` closer to :math:`b^\star`) holds at the current parameters
+      whenever :math:`|b - b^\star| \le |e^\star - b^\star|`, by the second identity.
+      With :math:`e = e^\star`, :math:`b` lies between :math:`e` and :math:`\hat b`, so it
+      suffices that :math:`|\hat b - b^\star| \le |e^\star - b^\star|`; the shrinkage makes
+      the expected excess :math:`\mathbb E(b - b^\star)^2 \operatorname{Var} g_\text{score}`
+      small where this fails (a noisy :math:`\hat b` is not followed). When the endpoint
+      is the other one (the evidence did not reach :math:`z` standard errors), the excess
+      is :math:`|1 - 2b^\star| \operatorname{Var} g_\text{score} \lesssim 2 (z + 1) s
+      \operatorname{Var} g_\text{score}`, and :math:`s` shrinks as :math:`1/\sqrt n`;
+    * it is *not* a certainty: it is a statistical statement with error :math:`s`; it
+      uses moments of earlier parameters, so it lags when :math:`b^\star` moves faster
+      than the window (``decay``) follows; heavy-tailed parts make :math:`s` itself
+      unreliable at small :math:`n`. And lower per-step variance is not the final ELBO:
+      that is measured (``python benchmarks/bench_adaptive.py --training``).
 
     **Unbiasedness condition.** Step :math:`t` applies :math:`b_t` computed from steps
     :math:`< t` only (the moments are updated *after* the step's gradient is formed).
@@ -403,8 +573,8 @@ class TraceAdaptiveSTL_ELBO(_AdaptiveMixin, TraceSTL_ELBO):
 
     **Cost.** One model and one guide pass, the base backward, and one small pruned
     backward of the score parts with the sample relays cut (it reaches only the guide's
-    parameters directly: for an amortized guide, one backward of the encoder), plus two
-    buffers (three with ``center``) of each guide parameter's size.
+    parameters directly: for an amortized guide, one backward of the encoder), plus seven
+    buffers (five without ``center``) of each guide parameter's size.
 
     **Sites.** Sites without a score part (``Delta``, non-reparameterized sites,
     ``infer={"stl": False}``, flows that cannot be split, ``Rejector``-like families with
@@ -442,13 +612,21 @@ class TraceAdaptiveSTL_ELBO(_AdaptiveMixin, TraceSTL_ELBO):
         ['AutoNormal.locs.mu', 'AutoNormal.scales.mu']
         >>> state = elbo.state_dict()  # resume later with elbo.load_state_dict(state)
 
-    :param decay: EMA factor of the moments (effective memory about
-        ``(1 + decay) / (1 - decay)`` steps).
-    :param clip: optional bound on :math:`|b|`.
-    :param warmup: steps during which :math:`b = 0` (STL) while the moments fill.
-    :param center: subtract a running mean of :math:`g_\text{path}` in the covariance
-        (a third buffer, the default); far from the optimum the mean gradient otherwise
-        dominates the noise of the estimate of :math:`b`.
+    :param decay: weight of the previous steps' moments (the effective number of samples
+        tends to ``(1 + decay) / (1 - decay)``: 19 steps at 0.9). The window must be
+        short beside the optimizer's timescale, as :math:`b^\star` moves with the
+        parameters; the shrinkage keeps a short window's noise from costing variance.
+    :param clip: optional bound on :math:`|\hat b|`.
+    :param warmup: steps at :math:`b = 1` (``Trace_ELBO``) before the policy may move.
+    :param confidence: :math:`z`, in standard errors of :math:`\hat b`: STL is chosen
+        over ``Trace_ELBO`` only when it is better by :math:`z` standard errors, and the
+        weight leaves that endpoint only by as much as the evidence allows.
+    :param fixed_weight: a fixed :math:`b` for every element instead of the policy
+        (0: STL, 1: ``Trace_ELBO``; unbiased for any value).
+    :param center: fit with an intercept (the default); ``False`` sets it to 0, which
+        relies on :math:`\mathbb E[g_\text{score}] = 0` alone and is noisier far from the
+        optimum, where :math:`\mathbb E[g_\text{path}]` is large (five buffers instead of
+        seven).
     :param distributed: average the parts over ``torch.distributed`` ranks (see above).
 
     Other arguments are :class:`pyro.infer.Trace_ELBO`'s.
@@ -459,15 +637,17 @@ class TraceAdaptiveSTL_ELBO(_AdaptiveMixin, TraceSTL_ELBO):
         num_particles: int = 1,
         max_plate_nesting: float = math.inf,
         *args,
-        decay: float = 0.99,
+        decay: float = 0.9,
         clip: float | None = None,
         warmup: int = 10,
+        confidence: float = 2.0,
+        fixed_weight: float | None = None,
         center: bool = True,
         distributed: bool | None = None,
         **kwargs,
     ):
         super().__init__(num_particles, max_plate_nesting, *args, **kwargs)
-        self._init_cv(decay, clip, warmup, center, distributed)
+        self._init_cv(decay, clip, warmup, center, distributed, confidence, fixed_weight)
 
     def _particle_terms(self, model_trace, guide_trace, blocks=None) -> tuple[float, Terms]:
         elbo, terms = super()._particle_terms(model_trace, guide_trace, blocks)
@@ -523,8 +703,9 @@ class TraceAdaptiveDReG_ELBO(_AdaptiveMixin, TraceDReG_ELBO):
 
     has mean zero (per site with scale :math:`c` the path factor is
     :math:`1 - (1 - c + c\tilde w_k)`). The step's guide gradient is
-    :math:`g_\text{DReG} + b \odot g_\text{cv}` with :math:`b` from earlier steps, estimated
-    as in :class:`TraceAdaptiveSTL_ELBO` (``b = 0``: DReG, ``b = 1``: IWAE); the same
+    :math:`g_\text{DReG} + b \odot g_\text{cv}` with :math:`b` from earlier steps, chosen
+    by the policy of :class:`TraceAdaptiveSTL_ELBO` (``b = 0``: DReG, ``b = 1``: IWAE; it
+    starts at IWAE and moves to DReG, or to the fitted mix, on evidence); the same
     unbiasedness condition holds. Model parameters get the IWAE gradient, as in
     :class:`TraceDReG_ELBO` (a parameter shared by model and guide gets IWAE's model
     part plus the mixed guide part).
@@ -557,7 +738,8 @@ class TraceAdaptiveDReG_ELBO(_AdaptiveMixin, TraceDReG_ELBO):
         ['w']
 
     Arguments are :class:`TraceDReG_ELBO`'s plus ``decay``, ``clip``, ``warmup``,
-    ``center`` and ``distributed`` (see :class:`TraceAdaptiveSTL_ELBO`). ``clip``
+    ``confidence``, ``fixed_weight``, ``center`` and ``distributed`` (see
+    :class:`TraceAdaptiveSTL_ELBO`). ``clip``
     defaults to 2 here: far from the posterior the importance weights are nearly
     one-hot, the products are heavy-tailed, and unclipped estimates of :math:`b` reach
     the thousands (measured at 8 posterior sds: 22x IWAE's variance unclipped, 1.0x
@@ -569,9 +751,11 @@ class TraceAdaptiveDReG_ELBO(_AdaptiveMixin, TraceDReG_ELBO):
         num_particles: int = 2,
         vectorize_particles: bool = True,
         *,
-        decay: float = 0.99,
+        decay: float = 0.9,
         clip: float | None = 2.0,
         warmup: int = 10,
+        confidence: float = 2.0,
+        fixed_weight: float | None = None,
         center: bool = True,
         distributed: bool | None = None,
         **kwargs,
@@ -579,7 +763,7 @@ class TraceAdaptiveDReG_ELBO(_AdaptiveMixin, TraceDReG_ELBO):
         super().__init__(
             num_particles=num_particles, vectorize_particles=vectorize_particles, **kwargs
         )
-        self._init_cv(decay, clip, warmup, center, distributed)
+        self._init_cv(decay, clip, warmup, center, distributed, confidence, fixed_weight)
         self._last_factors = None
 
     def _site_factors(self, guide_sites, w, outer) -> dict:

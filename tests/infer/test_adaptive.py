@@ -1,4 +1,4 @@
-"""TraceAdaptiveSTL_ELBO / TraceAdaptiveDReG_ELBO: exact endpoints, unbiased, lower variance, resumable."""
+"""TraceAdaptiveSTL_ELBO / TraceAdaptiveDReG_ELBO: exact endpoints, unbiased, the weight policy, resumable."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import pyro.distributions as dist
 import pytest
 import torch
 from pyro.infer import SVI
+from pyro.infer import Trace_ELBO as PyroTrace_ELBO
 from pyro.infer import autoguide as ag
 from pyro.nn import PyroModule
 from torch.distributions import constraints
@@ -39,14 +40,10 @@ def grads_on_seed(elbo, model, guide, seed, *args):
 
 
 def force_weights(elbo, b: float, model, guide, *args):
-    """Fill the moments so that every weight is ``b`` (after two steps that create them)."""
+    """Freeze every weight at ``b`` (and run two steps that create the moments)."""
+    elbo._cv.fixed_weight = b
     for _ in range(2):
         grads_on_seed(elbo, model, guide, 123, *args)
-    for st in elbo._cv.state.values():
-        st["ss"].fill_(1.0)
-        st["ps"].fill_(-b)
-        st["n"] = 10**6
-        st.pop("b", None)
 
 
 def assert_same(a, b, atol=1e-5):
@@ -129,16 +126,21 @@ def test_endpoints_subsampling_and_sites_without_score_part(b):
 
 @pytest.mark.parametrize("b", [0.0, 1.0])
 def test_endpoints_with_block_grad_route(b):
-    """A guide site blocked from a parameter sends it neither its pathwise nor its score part."""
-    routed_guide = block_grad(conditional_guide, sites=["z"], params=["m", "s"])
+    """A guide site blocked from a parameter sends it neither its pathwise nor its score part.
+
+    (``z - mu`` does not depend on ``m`` or ``s``, so blocking ``z`` from them changes
+    nothing; the route that matters here is ``z`` kept from ``a``.)
+    """
+    routed_guide = block_grad(conditional_guide, sites=["z"], params=["m", "a"])
     conditional_guide(X)
     ref = (Trace_ELBO if b else TraceSTL_ELBO)(max_plate_nesting=1)
     elbo = TraceAdaptiveSTL_ELBO(warmup=0, max_plate_nesting=1)
     force_weights(elbo, b, conditional_model, routed_guide, X)
     ours = grads_on_seed(elbo, conditional_model, routed_guide, 3, X)
     assert_same(ours, grads_on_seed(ref, conditional_model, routed_guide, 3, X))
-    unrouted = grads_on_seed(elbo, conditional_model, conditional_guide, 3, X)
-    assert not torch.allclose(ours["m"], unrouted["m"])
+    if b == 0:  # the route changes STL's gradient (at b = 1 this route happens to be a no-op)
+        unrouted = grads_on_seed(elbo, conditional_model, conditional_guide, 3, X)
+        assert not torch.allclose(ours["a"], unrouted["a"])
 
 
 class _IWAE(TraceDReG_ELBO):
@@ -245,10 +247,163 @@ def test_mean_gradient_equals_trace_elbo(kind):
     assert ((ours.mean(0) - ref.mean(0)).abs() <= 5 * se + 1e-6).all()
 
 
+# ------------------------------------------------------------------ frozen weights: unbiased, paired
+
+
+@pytest.mark.parametrize("frozen", ["-0.7", "0.4", "2.5", "per-element"])
+def test_frozen_weights_mean_gradient_equals_pyro_trace_elbo_paired(frozen):
+    """g(b) - g(1) = (b - 1) g_cv on the same draw: mean zero for any b fixed before the draw.
+
+    g(1) is Pyro's own Trace_ELBO on the same seed (a reference independent of the package).
+    """
+    model, guide, args = _case("conditional")
+    elbo = TraceAdaptiveSTL_ELBO(max_plate_nesting=1)
+    elbo.loss(model, guide, *args)
+    if frozen == "per-element":
+        g = torch.Generator().manual_seed(3)
+        fixed = {k: 3 * torch.randn(p.shape, generator=g) - 1 for k, p in leaves()}
+        elbo._cv.weight = lambda name, like: fixed[name].to(like)
+    else:
+        elbo._cv.fixed_weight = float(frozen)
+    ref = PyroTrace_ELBO(max_plate_nesting=1)
+    diffs = []
+    for seed in range(150):
+        ours = grads_on_seed(elbo, model, guide, seed, *args)
+        theirs = grads_on_seed(ref, model, guide, seed, *args)
+        diffs.append(torch.cat([(ours[k] - theirs[k]).reshape(-1) for k in sorted(ours)]))
+    d = torch.stack(diffs)
+    assert (d.abs().amax(0) > 1e-3).all()  # the weights do change every draw's gradient
+    se = d.std(0) / math.sqrt(len(d))
+    assert (d.mean(0).abs() <= 5 * se).all(), (d.mean(0), se)
+
+
+# ------------------------------------------------------------------ the weight policy
+
+
+@pytest.mark.parametrize("kind", ["AutoNormal", "conditional", "encoder"])
+def test_first_step_is_pyro_trace_elbo(kind):
+    """The policy starts at b = 1: the first step equals Pyro's Trace_ELBO on the same seed."""
+    model, guide, args = _case(kind)
+    elbo = TraceAdaptiveSTL_ELBO(max_plate_nesting=1)
+    elbo.loss(model, guide, *args)
+    ours = grads_on_seed(elbo, model, guide, 4, *args)
+    assert all((b == 1).all() for b in elbo.control_variate_weights().values())
+    assert_same(ours, grads_on_seed(PyroTrace_ELBO(max_plate_nesting=1), model, guide, 4, *args))
+
+
+def test_dreg_starts_at_iwae():
+    conditional_guide(X)
+    elbo = TraceAdaptiveDReG_ELBO(num_particles=4, max_plate_nesting=1)
+    ref = _IWAE(num_particles=4, max_plate_nesting=1)
+    assert_same(
+        grads_on_seed(elbo, conditional_model, conditional_guide, 6, X),
+        grads_on_seed(ref, conditional_model, conditional_guide, 6, X),
+    )
+
+
+def _feed(cv, steps, b_star, noise, gen, shape=(400,), name="p"):
+    """Synthetic parts: g_cv ~ N(0, 1), g_path = 2 - b* g_cv + noise * N(0, 1) (its mean is 2)."""
+    parts = []
+    for _ in range(steps):
+        c = torch.randn(shape, generator=gen, dtype=torch.float64)
+        p = 2.0 - b_star * c + noise * torch.randn(shape, generator=gen, dtype=torch.float64)
+        parts.append((p, c))
+        cv.update(name, p, c)
+    return parts
+
+
+def test_policy_estimate_matches_naive_two_pass_weighted_least_squares():
+    """b_hat is minus the slope of the weighted least-squares fit of g_path on g_cv (with an
+    intercept), weights decay^(age), recomputed in two passes from the stored parts."""
+    from pyro_gradroute.infer.trace_adaptive_elbo import _ControlVariate
+
+    beta = 0.8
+    cv = _ControlVariate(decay=beta, warmup=0)
+    parts = _feed(cv, 12, 0.3, 1.0, torch.Generator().manual_seed(0), shape=(5,))
+    P = torch.stack([p for p, _ in parts])
+    C = torch.stack([c for _, c in parts])
+    w = beta ** torch.arange(len(parts) - 1, -1, -1, dtype=torch.float64)[:, None]
+    pm, cm = (w * P).sum(0) / w.sum(0), (w * C).sum(0) / w.sum(0)
+    slope = (w * (P - pm) * (C - cm)).sum(0) / (w * (C - cm) ** 2).sum(0)
+    diag = cv.diagnostics("p")
+    torch.testing.assert_close(diag["b_hat"], -slope, rtol=1e-9, atol=0)
+    assert diag["n_eff"] == pytest.approx((w.sum() ** 2 / (w**2).sum()).item())
+
+
+def test_policy_standard_error_matches_the_spread_of_the_estimate():
+    """400 independent elements: the delta-method SE of b_hat against b_hat's spread across them."""
+    from pyro_gradroute.infer.trace_adaptive_elbo import _ControlVariate
+
+    cv = _ControlVariate(decay=0.95, warmup=0)
+    _feed(cv, 200, 0.3, 1.0, torch.Generator().manual_seed(1))
+    diag = cv.diagnostics("p")
+    spread = diag["b_hat"].std().item()
+    assert 0.8 < diag["se"].mean().item() / spread < 1.25
+    assert abs(diag["b_hat"].mean().item() - 0.3) < 4 * spread / 20
+
+
+@pytest.mark.parametrize(
+    "b_star, noise, expect",
+    [
+        (0.0, 0.0, "stl"),  # STL's gradient exact: b = 0
+        (1.0, 0.0, "trace"),  # Trace_ELBO's gradient exact: b = 1
+        (0.3, 0.1, "fit"),  # a clear optimum inside: the fitted b
+        (0.3, 30.0, "trace"),  # the score part is noise beside g_path's own: no evidence, stay
+    ],
+)
+def test_policy_choice(b_star, noise, expect):
+    from pyro_gradroute.infer.trace_adaptive_elbo import _ControlVariate
+
+    cv = _ControlVariate()
+    gen = torch.Generator().manual_seed(2)
+    _feed(cv, 100, b_star, noise, gen)
+    b = cv.weight("p", torch.zeros(400, dtype=torch.float64))
+    if expect == "stl":
+        assert b.abs().max() < 1e-9
+    elif expect == "trace":
+        # (g_path - m) carries the centre's own noise: b is near, not exactly, 1
+        assert (b - 1).abs().max() < 0.02 if noise == 0 else (b == 1).float().mean() > 0.9
+    else:
+        assert (b - b_star).abs().mean() < 0.05 and (b - 1).abs().min() > 0
+
+
+def test_policy_warmup_holds_trace():
+    from pyro_gradroute.infer.trace_adaptive_elbo import _ControlVariate
+
+    cv = _ControlVariate(warmup=5)
+    like = torch.zeros(400, dtype=torch.float64)
+    assert (cv.weight("p", like) == 1).all()  # no state yet
+    _feed(cv, 5, 0.0, 0.0, torch.Generator().manual_seed(3))
+    assert (cv.weight("p", like) == 1).all()  # 5 steps: still warming up
+    _feed(cv, 1, 0.0, 0.0, torch.Generator().manual_seed(4))
+    assert cv.weight("p", like).abs().max() < 1e-9
+
+
+def test_parameter_whose_shape_changes_resets_its_state():
+    """One estimator for two problems with the same parameter names: a reset, not a size error."""
+    elbo = TraceAdaptiveSTL_ELBO()
+    for D in (2, 3):
+        pyro.clear_param_store()
+        gm = GaussianModel(D=D, n=4, seed=D)
+        guide = ag.AutoNormal(gm.model, init_scale=0.3)
+        for seed in range(8):
+            grads_on_seed(elbo, gm.model, guide, seed, *())
+        assert {b.shape for b in elbo.control_variate_weights().values()} == {(D,)}
+    # a new problem's first step starts again at Trace_ELBO
+    pyro.clear_param_store()
+    gm = GaussianModel(D=4, n=4, seed=4)
+    guide = ag.AutoNormal(gm.model, init_scale=0.3)
+    guide()
+    assert_same(
+        grads_on_seed(elbo, gm.model, guide, 9), grads_on_seed(PyroTrace_ELBO(), gm.model, guide, 9)
+    )
+
+
 # ------------------------------------------------------------------ at the exact posterior
 
 
-def test_exactly_zero_at_exact_posterior():
+def test_policy_picks_stl_at_exact_posterior():
+    """There STL's gradient is zero on every draw: the default policy moves from Trace to STL."""
     gm = GaussianModel(D=2, n=5, prior_cov=torch.eye(2), seed=1)
     mean, cov = gm.posterior()
 
@@ -257,10 +412,13 @@ def test_exactly_zero_at_exact_posterior():
         scale = pyro.param("scale", cov.diagonal().sqrt(), constraint=constraints.positive)
         pyro.sample("z", dist.Normal(loc, scale).to_event(1))
 
-    elbo = TraceAdaptiveSTL_ELBO(warmup=3, decay=0.9)
+    elbo = TraceAdaptiveSTL_ELBO()
+    first = gradient_draws(elbo, gm.model, guide, 1)
+    assert first.abs().max() > 1e-2  # the first step is Trace_ELBO's: not zero there
     gradient_draws(elbo, gm.model, guide, 20)
-    for b in elbo.control_variate_weights().values():
-        assert b.abs().max() < 1e-3  # converged to 0 (the pathwise part is ~0 on every draw)
+    for name, b in elbo.control_variate_weights().items():
+        assert b.abs().max() < 1e-3, name  # STL (the pathwise part is ~0 on every draw)
+        assert (elbo._cv.diagnostics(name)["endpoint"] == 0).all()
     g = gradient_draws(elbo, gm.model, guide, 20)
     assert g.abs().max() < 1e-4
 
@@ -351,11 +509,11 @@ def test_state_dict_round_trip_gives_identical_gradients():
         a = grads_on_seed(elbo, model, guide, seed, *args)
         r = grads_on_seed(resumed, model, guide, seed, *args)
         assert_same(a, r, atol=0)
-    resumed.reset()
+    resumed.reset()  # a reset estimator starts again at Trace_ELBO (b = 1)
     assert resumed.control_variate_weights() == {}
     assert_same(
         grads_on_seed(resumed, model, guide, 4, *args),
-        grads_on_seed(TraceSTL_ELBO(), model, guide, 4, *args),
+        grads_on_seed(PyroTrace_ELBO(), model, guide, 4, *args),
     )
 
 
@@ -379,6 +537,14 @@ def test_bad_arguments():
         TraceAdaptiveSTL_ELBO(decay=1.0)
     with pytest.raises(ValueError, match="clip"):
         TraceAdaptiveSTL_ELBO(clip=0.0)
+    with pytest.raises(ValueError, match="warmup"):
+        TraceAdaptiveSTL_ELBO(warmup=-1)
+    with pytest.raises(ValueError, match="confidence"):
+        TraceAdaptiveDReG_ELBO(confidence=math.inf)
+    with pytest.raises(ValueError, match="fixed_weight"):
+        TraceAdaptiveSTL_ELBO(fixed_weight=math.nan)
+    with pytest.raises(ValueError, match="older version"):
+        TraceAdaptiveSTL_ELBO().load_state_dict({"decay": 0.9, "clip": None, "moments": {}})
 
 
 # ------------------------------------------------------------------ distributed

@@ -1,0 +1,153 @@
+"""Conformance cells of ``TraceAdaptiveSTL_ELBO()``'s weight policy, on every case of the registry.
+
+The default estimator's step is ``g(b) = g_path + b * g_score`` with ``b`` chosen from earlier
+steps; on one draw ``g_path`` is STL's gradient and ``g_path + g_score`` is ``Trace_ELBO``'s, so
+for a frozen ``b`` the same-draw reference is ``(1 - b) * STL + b * Trace`` (Pyro's
+``Trace_ELBO`` and the STL reference built from Pyro's traces, ``checks.stl_reference_grad``).
+
+* ``first``: a fresh default estimator's first step equals Pyro's ``Trace_ELBO`` on the same seed
+  (the policy starts at ``b = 1``), on the cases whose guide sites all have a score part
+  (``FULL_SCORE``);
+* ``frozen``: with ``b`` frozen at -0.5 and at 2 the gradient equals the same-draw reference
+  above (so the mean gradient is ``Trace_ELBO``'s for any frozen ``b``);
+* ``zero``: at the exact posterior (where the guide family holds it) the default policy moves to
+  STL after its warm-up, and the guide parameters' gradient is then zero to round-off.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pyro_gradroute.infer import TraceAdaptiveSTL_ELBO
+
+from .cases import CASES
+from .checks import (
+    ZERO_TOL,
+    NoSameDrawReference,
+    _coord_names,
+    _probe,
+    _tols,
+    cell,
+    grad_of,
+    reference_grad,
+    seeded,
+    stl_reference_grad,
+)
+
+WARMUP = 10  # TraceAdaptiveSTL_ELBO's default warm-up
+#: cases whose guide sites all have a separate score part; elsewhere (reparam handlers,
+#: auxiliary or Delta sites, non-reparameterized sites, flows that are not split, structured
+#: guides) those sites keep STL's treatment at every ``b``, and ``(1 - b) STL + b Trace`` is
+#: not the same-draw reference there
+FULL_SCORE = (
+    "AutoNormal",
+    "AutoDiagonalNormal",
+    "AutoMultivariateNormal",
+    "AutoLowRankMultivariateNormal",
+    "AutoMeanField-Gamma",
+    "AutoMeanField-Beta",
+    "AutoMeanField-Dirichlet",
+    "chain1",
+    "chain2",
+    "chain3",
+    "amortized",
+    "subsample_all",
+    "nested_plates",
+    "scale_tensor",
+    "mask",
+)
+
+
+def _default(case, **kw):
+    P = case.particles
+    return TraceAdaptiveSTL_ELBO(
+        num_particles=P, vectorize_particles=P > 1, max_plate_nesting=case.max_plate_nesting, **kw
+    )
+
+
+def _ours(c, elbo, seed):
+    return seeded(seed, lambda: grad_of(c, lambda: elbo.loss_and_grads(c.model, c.guide, *c.args)))[
+        1
+    ]
+
+
+def check_first(case):
+    with cell(case) as c:
+        if _probe(c, "Adaptive", c.model, c.guide, case.raise_for("Adaptive", False)):
+            return
+        rtol, atol = _tols(case.dtype)
+        g = _ours(c, _default(case), 0)
+        ref = reference_grad(c, "Trace", 0, c.model, c.guide)
+        torch.testing.assert_close(
+            g,
+            ref,
+            rtol=rtol * 10,
+            atol=atol * 10,
+            msg=lambda m: f"{case.name}: first step != Pyro's Trace_ELBO (same seed)\n{m}",
+        )
+
+
+def check_frozen(case):
+    with cell(case) as c:
+        if _probe(c, "Adaptive", c.model, c.guide, case.raise_for("Adaptive", False)):
+            return
+        rtol, atol = _tols(case.dtype)
+        for b in (-0.5, 2.0):
+            elbo = _default(case, fixed_weight=b)
+            for seed in (0, 1):
+                g = _ours(c, elbo, seed)
+                trace = reference_grad(c, "Trace", seed, c.model, c.guide)
+                try:
+                    stl = stl_reference_grad(c, "STL", seed, c.model, c.guide)
+                except NoSameDrawReference:
+                    pytest.skip(f"{case.name}: no same-draw STL reference for this guide")
+                ref = (1 - b) * stl + b * trace
+                torch.testing.assert_close(
+                    g,
+                    ref,
+                    rtol=rtol * 10,
+                    atol=atol * 10 * (1 + abs(b)),
+                    msg=lambda m, b=b, seed=seed: (
+                        f"{case.name}: b frozen at {b} != (1 - b) STL + b Trace (seed {seed})\n{m}"
+                    ),
+                )
+
+
+def check_zero(case):
+    with cell(case) as c:
+        if _probe(c, "Adaptive", c.model, c.guide, case.raise_for("Adaptive", False)):
+            return
+        c.exact()
+        elbo = _default(case)
+        for seed in range(WARMUP + 2):  # the warm-up at Trace_ELBO, then the policy's choice
+            _ours(c, elbo, 100 + seed)
+        for seed in range(3):
+            g = _ours(c, elbo, seed)
+            worst = g[c.guide_only].abs().max().item() if c.guide_only.any() else 0.0
+            assert worst <= ZERO_TOL, (
+                f"{case.name}: gradient {worst:.3g} at the exact posterior after the warm-up "
+                f"(seed {seed}); guide coordinates: "
+                f"{dict(zip((n for n, m in zip(_coord_names(c), c.guide_only) if m), g[c.guide_only].tolist()))}"
+            )
+
+
+def _cells():
+    out = []
+    for case in CASES:
+        spec = case.raise_for("Adaptive", False)
+        if spec is not None and not spec.optional:
+            continue  # the matrix's raises cells cover these
+        if case.name in FULL_SCORE:
+            out += [(case, "first"), (case, "frozen")]
+        if case.build_has_exact:
+            out.append((case, "zero"))
+    return out
+
+
+CELLS = _cells()
+
+
+@pytest.mark.parametrize("case, check", CELLS, ids=[f"{c.name}-{k}" for c, k in CELLS])
+def test_adaptive_policy(case, check):
+    {"first": check_first, "frozen": check_frozen, "zero": check_zero}[check](case)
