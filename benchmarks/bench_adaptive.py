@@ -441,8 +441,11 @@ def _parse_variant(spec: str) -> dict:
     return out
 
 
-def training_table(seeds, models=None, variants=()):
-    """Rows per model and estimator: final ELBOs by seed, mean, paired differences."""
+def training_table(seeds, models=None, variants=(), on_model=None):
+    """Rows per model and estimator: final ELBOs by seed, mean, paired differences.
+
+    ``on_model(rows)`` (optional) receives each model's rows as soon as they are measured.
+    """
     cands = {
         "Trace_ELBO (Pyro)": lambda mpn: PyroTrace_ELBO(max_plate_nesting=mpn),
         "TraceSTL_ELBO": lambda mpn: TraceSTL_ELBO(max_plate_nesting=mpn),
@@ -459,17 +462,20 @@ def training_table(seeds, models=None, variants=()):
             continue
         res = {k: [train_final_elbo(problem, f, s) for s in seeds] for k, f in cands.items()}
         trace, stl = res["Trace_ELBO (Pyro)"], res["TraceSTL_ELBO"]
-        for k, v in res.items():
-            rows.append(
-                (
-                    name,
-                    k,
-                    f"{statistics.mean(v):.2f}",
-                    _paired(v, trace),
-                    _paired(v, stl),
-                    " ".join(f"{x:.2f}" for x in v),
-                )
+        mine = [
+            (
+                name,
+                k,
+                f"{statistics.mean(v):.2f}",
+                _paired(v, trace),
+                _paired(v, stl),
+                " ".join(f"{x:.2f}" for x in v),
             )
+            for k, v in res.items()
+        ]
+        if on_model is not None:
+            on_model(mine)
+        rows += mine
     return rows
 
 
@@ -510,10 +516,13 @@ def main(argv=None):
             f"Training from Pyro's initialisations, {len(seeds)} paired seeds: final ELBO "
             "(2000 draws); paired differences +/- SE"
         )
-        print_table(
-            training_table(seeds, args.models, args.variant),
-            ("model", "estimator", "mean ELBO", "vs Trace_ELBO", "vs STL", "by seed"),
-        )
+        header = ("model", "estimator", "mean ELBO", "vs Trace_ELBO", "vs STL", "by seed")
+
+        def show(rows):
+            print_table(rows, header)
+            print(flush=True)
+
+        training_table(seeds, args.models, args.variant, on_model=show)
         print(f"\n(total {time.perf_counter() - t0:.0f} s)")
         return
     if args.figure:
