@@ -102,9 +102,12 @@ def main(argv=None):
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--cost-only", action="store_true", help="only the step-time table")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     pyro.set_rng_seed(0)
+    if args.cost_only:
+        return cost_table(args)
     print("Guide-gradient SNR (median over coordinates), Gaussian model D=20")
     draws = 2000 if args.quick else 20000
     print(
@@ -119,12 +122,16 @@ def main(argv=None):
             rows.append((alpha, K, iw, dr))
     print_table(rows, ("alpha", "K", "Renyi SNR", "DReG SNR"))
     print()
+    cost_table(args)
+
+
+def cost_table(args):
     print(
         "DReG over RenyiELBO(alpha=0), digits VAE, batch 64 (targets: time <= 1.05, memory <= 1.02)"
     )
     rows = []
     for K in (16, 64):
-        t, m = vae_cost(K, 64, 10 if args.quick else 100)
+        t, m = vae_cost(K, 64, 20 if args.quick else 100)
         rows.append(
             (
                 K,
