@@ -63,7 +63,8 @@ def test_adaptive_estimators_report_weights_and_variance_reduction(name, tmp_pat
         "gaussian_means", [name], steps=30, snr_draws=4, num_samples=20, progress=False
     )
     assert r.cv_weights and all(math.isfinite(v) for _, w in r.cv_weights for v in w.values())
-    assert r.cv_weights[0][1] and all(v == 0 for v in r.cv_weights[0][1].values())  # warm-up: b = 0
+    # warm-up: b = 1 (the policy starts at Trace_ELBO / IWAE)
+    assert r.cv_weights[0][1] and all(v == 1 for v in r.cv_weights[0][1].values())
     assert math.isfinite(r.variance_ratio) and r.variance_ratio > 0
     paths = write_plots([r], str(tmp_path))
     assert any(p.endswith("control_variates.png") for p in paths)
