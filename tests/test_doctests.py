@@ -26,6 +26,7 @@ NO_EXAMPLES = {
     "pyro_gradroute.distributed",
     "pyro_gradroute.diagnostics.plates",
     "pyro_gradroute.distributions",
+    "pyro_gradroute.distributions.structured",  # internal: the pathwise parts of two Pyro guides
     "pyro_gradroute.guides",
     "pyro_gradroute.infer",
     "pyro_gradroute.infer.elbo",

@@ -88,6 +88,11 @@ class SplitBatch:
         self._rsampled[id(out)] = (out, value, preimage)
         return out
 
+    def drew(self, value) -> bool:
+        """Whether ``value`` is a sample a wrapped distribution of this batch drew (through its relay)."""
+        pre = self._rsampled.get(id(value))
+        return pre is not None and pre[0] is value
+
     def register(self, name: str, fn, value, infer=None) -> SiteRecord:
         """Record a guide sample site after it was sampled (its upstream: earlier relays)."""
         upstream = [r for r in self.group.outputs if r is not value]

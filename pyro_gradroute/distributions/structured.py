@@ -46,6 +46,8 @@ from operator import attrgetter
 import torch
 from torch.distributions import biject_to
 
+from .._compat import pyro_name
+
 __all__ = ["StructuredNotSupported", "calling_structured_guide", "structured_pathwise"]
 
 
@@ -277,7 +279,7 @@ def _delta(fn):
 def _autogaussian(g, records: dict) -> dict:
     from pyro.distributions import MultivariateNormal
 
-    aux_name = f"_{g._pyro_name}_latent"
+    aux_name = f"_{pyro_name(g)}_latent"
     aux = _record(records, aux_name, "the auxiliary Gaussian draw")
     fn = aux.fn
     if not isinstance(fn, MultivariateNormal):

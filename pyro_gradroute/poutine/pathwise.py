@@ -57,6 +57,16 @@ def frontier(tensors: list[torch.Tensor], earlier: dict) -> list[int]:
 
     The walk stops at those samples' nodes: a sample read only through another one is not
     listed.
+
+    Example::
+
+        >>> import torch
+        >>> phi = torch.tensor(0.5, requires_grad=True)
+        >>> z0 = phi * 2.0
+        >>> z1 = z0 + 1.0  # computed from z0
+        >>> loc = 3.0 * z1 + phi
+        >>> frontier([loc], {z0.grad_fn: 0, z1.grad_fn: 1})  # loc reads z1 (and z0 only through it)
+        [1]
     """
     if not earlier:
         return []
@@ -157,6 +167,25 @@ def pathwise_score_parts(
     """``{site: pathwise ScoreParts, unscaled}`` for the guide sites that take only their pathwise gradient.
 
     ``None`` if some site needs the general split (see the module docstring).
+
+    Example::
+
+        >>> import torch, pyro, pyro.distributions as dist
+        >>> from pyro import poutine
+        >>> def guide():
+        ...     m = pyro.param("m", torch.tensor(0.2))
+        ...     z = pyro.sample("z", dist.Normal(m, 1.0))
+        ...     pyro.sample("w", dist.Normal(z, 0.5))  # conditional: reads z
+        >>> pyro.clear_param_store()
+        >>> tr = poutine.trace(guide).get_trace()
+        >>> parts = pathwise_score_parts(tr, lambda site: True)
+        >>> lp = parts["z"].log_prob
+        >>> bool(torch.allclose(lp, tr.nodes["z"]["fn"].log_prob(tr.nodes["z"]["value"])))
+        True
+        >>> (g,) = torch.autograd.grad(lp, pyro.param("m").unconstrained())
+        >>> z = tr.nodes["z"]["value"].detach()
+        >>> bool(torch.allclose(g, -(z - 0.2)))  # pathwise: d/dm log q(m + eps; stop(m)) = -eps
+        True
     """
     out: dict[str, ScoreParts] = {}
     conditional: list[Conditional] = []

@@ -145,9 +145,32 @@ def _allowed_elbos() -> tuple:
     )
 
 
+_GRADIENT_METHODS = ("loss_and_grads", "differentiable_loss", "_differentiable_loss_particle")
+
+
+def _valid_in(cls) -> bool:
+    """An allowed estimator, or a subclass of one that keeps its gradient computation."""
+    allowed = _allowed_elbos()
+    if cls in allowed:
+        return True
+    base = next((c for c in cls.__mro__ if c in allowed), None)
+    if base is None:
+        return False
+    for name in _GRADIENT_METHODS:
+        own = next((c for c in cls.__mro__ if name in vars(c)), None)
+        if own is not None and own not in base.__mro__:
+            return False  # a subclass (or mixin) redefines how the gradient is formed
+    return True
+
+
 def check_elbo(elbo) -> None:
-    """Raise unless ``elbo`` (the estimator running the guide, or None) is one STL is valid in."""
-    if elbo is None or type(elbo) in _allowed_elbos():
+    """Raise unless ``elbo`` (the estimator running the guide, or None) is one STL is valid in.
+
+    Allowed: the ELBOs that take ``log q``'s gradient as a plain sum (an allow-list, by
+    class), and subclasses of them that do not redefine ``loss_and_grads``,
+    ``differentiable_loss`` or ``_differentiable_loss_particle``.
+    """
+    if elbo is None or _valid_in(type(elbo)):
         return
     raise ValueError(
         f"stick_the_landing cannot be used with {type(elbo).__name__}: sticking the landing "
@@ -308,10 +331,10 @@ class StickTheLandingMessenger(SplitMessenger):
 
     # -- the fast path: Pyro's own draws, pathwise parts from detached copies ---------------
     def _pyro_sample(self, msg) -> None:
-        if not self._fast:
-            return super()._pyro_sample(msg)
         if not self._latent(msg) or msg["value"] is not None:
             return  # observed, or a value another handler supplies (the model, under replay)
+        if not self._fast:
+            return super()._pyro_sample(msg)
         fn = _split_of(msg["fn"])
         if isinstance(fn, (PathwiseDistribution, SplitDistribution)):
             return
@@ -323,18 +346,23 @@ class StickTheLandingMessenger(SplitMessenger):
 
     def _pyro_post_sample(self, msg) -> None:
         if not self._fast:
+            split = _split_of(msg["fn"])
+            value = msg["value"]
+            if (
+                isinstance(split, SplitDistribution)
+                and split.batch is self.batch
+                and torch.is_tensor(value)
+                and value.requires_grad
+                and not self.batch.drew(value)
+            ):
+                raise _not_drawn(msg["name"])
             return super()._pyro_post_sample(msg)
         fn = _split_of(msg["fn"])
         if not isinstance(fn, PathwiseDistribution) or fn._run is not self._run:
             return
         value = msg["value"]
         if value is not fn._value:
-            raise ValueError(
-                f"stick_the_landing: the value of guide site '{msg['name']}' is not the sample "
-                "its distribution drew: another handler outside the guide replaced it (e.g. "
-                "poutine.replay), or the handler wraps the model instead of the guide. Wrap the "
-                "guide only: SVI(model, stick_the_landing(guide), ...)."
-            )
+            raise _not_drawn(msg["name"])
         if self._policy.uses_pathwise(msg):
             base, name = fn.base_dist, msg["name"]
             try:
@@ -393,6 +421,15 @@ class StickTheLandingMessenger(SplitMessenger):
                     stacklevel=2,
                 )
         return super().__exit__(*args)
+
+
+def _not_drawn(name: str) -> ValueError:
+    return ValueError(
+        f"stick_the_landing: the value of site '{name}' is not the sample its distribution "
+        "drew: another handler outside the handler replaced it (e.g. poutine.replay), or the "
+        "handler wraps the model instead of the guide. Wrap the guide only: "
+        "SVI(model, stick_the_landing(guide), ...)."
+    )
 
 
 def _fast_enough(batch: SplitBatch) -> bool:

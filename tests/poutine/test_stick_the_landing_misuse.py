@@ -1,0 +1,121 @@
+"""``stick_the_landing`` used the wrong way: estimators it is not valid in, the wrong callable.
+
+References: Pyro's ``Trace_ELBO`` with the guide wrapped (the documented use), and the
+closed-form prior gradient of a conjugate model.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+from pyro.infer import Trace_ELBO, TraceEnum_ELBO, TraceTailAdaptive_ELBO
+from pyro.infer.autoguide import AutoDelta
+
+from pyro_gradroute.poutine import StickTheLandingMessenger, stick_the_landing
+
+X = torch.tensor([0.5, 1.5, 1.0])
+
+
+def model(x):
+    m = pyro.param("prior_m", torch.tensor(0.3))
+    z = pyro.sample("z", dist.Normal(m, 1.0))
+    with pyro.plate("d", len(x)):
+        pyro.sample("x", dist.Normal(z, 1.0), obs=x)
+
+
+def guide(x):
+    loc = pyro.param("q_loc", torch.tensor(0.1))
+    scale = pyro.param("q_scale", torch.tensor(0.8), constraint=dist.constraints.positive)
+    pyro.sample("z", dist.Normal(loc, scale))
+
+
+def _grads(fn, seed):
+    pyro.set_rng_seed(seed)
+    for p in pyro.get_param_store().values():
+        p.unconstrained().grad = None
+    loss = fn()
+    return loss, {k: v.unconstrained().grad.clone() for k, v in pyro.get_param_store().items()}
+
+
+@pytest.fixture(autouse=True)
+def _store():
+    pyro.clear_param_store()
+    guide(X)
+    model(X)
+    yield
+    pyro.clear_param_store()
+
+
+@pytest.mark.parametrize("first", [True, False], ids=["first-run", "later-run"])
+def test_context_manager_around_the_elbo_equals_the_wrapped_guide(first):
+    wrapped = stick_the_landing(guide)
+    if not first:
+        _grads(lambda: Trace_ELBO().loss_and_grads(model, wrapped, X), 99)
+    msngr = stick_the_landing()
+    if not first:
+        with msngr:
+            Trace_ELBO().loss_and_grads(model, guide, X)  # its learning run
+    for seed in range(3):
+        ref_loss, ref = _grads(lambda: Trace_ELBO().loss_and_grads(model, wrapped, X), seed)
+
+        def ours():
+            with msngr:
+                return Trace_ELBO().loss_and_grads(model, guide, X)
+
+        loss, g = _grads(ours, seed)
+        assert loss == pytest.approx(ref_loss, rel=1e-6)
+        for k in ref:
+            torch.testing.assert_close(g[k], ref[k])
+        # the prior parameter gets its ordinary gradient: d/dm log N(z; m, 1) = z - m
+        pyro.set_rng_seed(seed)
+        z = pyro.poutine.trace(guide).get_trace(X).nodes["z"]["value"].detach()
+        torch.testing.assert_close(g["prior_m"], -(z - 0.3))
+
+
+@pytest.mark.parametrize("warm", [False, True], ids=["first-run", "later-run"])
+def test_wrapping_the_model_raises(warm):
+    msngr = StickTheLandingMessenger()
+    if warm:  # as after a first run that found a guide of plain sites
+        msngr._fast = True
+    wrapped_model = msngr(model)
+    with pytest.raises(ValueError, match="site 'z'.*wraps the model instead of the guide"):
+        Trace_ELBO().loss_and_grads(wrapped_model, guide, X)
+
+
+@pytest.mark.parametrize("warm", [False, True], ids=["first-run", "later-run"])
+def test_replaced_value_raises(warm):
+    tr = pyro.poutine.trace(guide).get_trace(X)
+    wrapped = stick_the_landing(guide)
+    if warm:
+        Trace_ELBO().loss_and_grads(model, wrapped, X)
+    replayed = pyro.poutine.replay(wrapped, trace=tr)  # outside the handler: replaces z
+    with pytest.raises(ValueError, match="site 'z'.*not the sample its distribution drew"):
+        Trace_ELBO().loss_and_grads(model, replayed, X)
+
+
+@pytest.mark.parametrize("Elbo", [TraceTailAdaptive_ELBO, pyro.infer.RenyiELBO])
+def test_importance_weighted_elbos_are_refused(Elbo):
+    elbo = Elbo(num_particles=2, vectorize_particles=True)
+    with pytest.raises(ValueError, match=f"cannot be used with {Elbo.__name__}"):
+        elbo.loss_and_grads(model, stick_the_landing(guide), X)
+
+
+def test_a_subclass_that_keeps_the_gradient_is_allowed():
+    class Named(TraceEnum_ELBO):
+        pass
+
+    Named().loss_and_grads(model, stick_the_landing(guide), X)
+
+
+def test_a_guide_of_only_delta_sites_warns():
+    pyro.clear_param_store()
+    delta = AutoDelta(model)
+    with pytest.warns(UserWarning, match="changes nothing"):
+        Trace_ELBO().loss_and_grads(model, stick_the_landing(delta), X)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Trace_ELBO().loss_and_grads(model, stick_the_landing(guide), X)  # a real draw: silent
