@@ -557,7 +557,13 @@ class TraceAdaptiveSTL_ELBO(_AdaptiveMixin, TraceSTL_ELBO):
       uses moments of earlier parameters, so it lags when :math:`b^\star` moves faster
       than the window (``decay``) follows; heavy-tailed parts make :math:`s` itself
       unreliable at small :math:`n`. And lower per-step variance is not the final ELBO:
-      that is measured (``python benchmarks/bench_adaptive.py --training``).
+      that is measured. ``python benchmarks/bench_adaptive.py --training`` (Pyro's
+      settings and initialisations, 1000 steps, 5 paired seeds, final ELBO from 2000
+      draws), paired difference to Pyro's ``Trace_ELBO`` / to STL: eight schools
+      (Pyro's ``svi.py``, ``0.1 * rand`` scales) +0.05 +/- 0.02 / +3.26 +/- 0.30; the
+      Bayesian-regression tutorial (``AutoDiagonalNormal``, diabetes) +1.07 +/- 0.21 /
+      -0.12 +/- 0.54; a hierarchical model with ``AutoNormal`` (J=50) +5.88 +/- 0.22 /
+      +14.67 +/- 0.26.
 
     **Unbiasedness condition.** Step :math:`t` applies :math:`b_t` computed from steps
     :math:`< t` only (the moments are updated *after* the step's gradient is formed).
