@@ -21,6 +21,8 @@ import torch.distributed as torch_dist
 
 from ..distributions.split import is_delta
 from ..distributions.split_distribution import SplitDistribution
+from ..poutine.pathwise import latent_site
+from ..poutine.stick_the_landing_messenger import uses_pathwise
 from .elbo import Terms
 from .trace_dreg_elbo import TraceDReG_ELBO
 from .trace_stl_elbo import TraceSTL_ELBO
@@ -384,6 +386,77 @@ class _AdaptiveMixin:
         warn_if_nan(loss, "loss")
         return loss
 
+    def differentiable_loss(self, model, guide, *args, **kwargs) -> torch.Tensor:
+        r"""Negative ELBO (or bound) whose gradient is :math:`g_\text{path} + b \odot g_\text{cv}`.
+
+        The path an ``ELBOModule`` (``elbo(model, guide)``), ``DistributedDataParallel``
+        and Lightning take: the tensor's ``backward()`` gives the same gradient as
+        :meth:`loss_and_grads` on the same draws, and the call updates the moments as
+        :meth:`loss_and_grads` does (with :math:`g_\text{path}` and :math:`g_\text{cv}`
+        averaged over the ranks of an initialized process group, so :math:`b` is
+        identical on every rank). :math:`b` comes from earlier calls only, so the
+        gradient is unbiased. The parts are computed here with ``torch.autograd.grad``
+        (one extra backward of the base surrogate); the returned surrogate carries
+        :math:`b \odot g_\text{cv}` as a term linear in the parameters. Call it once per
+        step: every call is a step of the moments.
+        """
+        from pyro.util import warn_if_nan
+
+        from .. import routing
+
+        loss, surrogate = 0.0, None
+        g_path: dict[torch.Tensor, torch.Tensor] = {}
+        g_cv: dict[torch.Tensor, torch.Tensor] = {}
+        self._collect = []
+        try:
+            for elbo, terms, blocks, trainable in self._iter_particles(model, guide, args, kwargs):
+                loss -= elbo
+                item = self._collect.pop() if self._collect else None
+                gated = {
+                    k: routing.gate(v, blocks[k]) if k in blocks else v for k, v in terms.items()
+                }
+                if not gated:
+                    continue
+                part = -sum(gated.values())
+                surrogate = part if surrogate is None else surrogate + part
+                if not trainable or item is None:
+                    continue
+                params = item["params"]
+                self._before_backward(item, blocks)
+                if self._cv_first:
+                    cv = self._cv_grads(item, params, blocks, retain=True)
+                raw = {k: -v for k, v in terms.items()}
+                gs = routing.grad(raw, params, block=blocks, retain_graph=True, strict=False)
+                if not self._cv_first:
+                    cv = self._cv_grads(item, params, blocks, retain=True)
+                for p, g in zip(params, gs):
+                    g_path[p] = g if p not in g_path else g_path[p] + g
+                for p, g in cv.items():
+                    g_cv[p] = g if p not in g_cv else g_cv[p] + g
+                del item, terms, gated
+        finally:
+            self._collect = None
+        names = {p: _param_key(p) for p in g_cv}
+        order = sorted(g_cv, key=lambda p: names[p])  # the same order on every rank
+        paths = [g_path[p] if p in g_path else torch.zeros_like(p) for p in order]
+        linear = None
+        for p in order:
+            b = self._cv.weight(names[p], p)  # from earlier calls only
+            if b is not None:
+                term = (b * g_cv[p]).detach().mul(p).sum()
+                linear = term if linear is None else linear + term
+        world = _world(self._distributed)
+        flat = _allreduce_mean(paths + [g_cv[p] for p in order], world)
+        n = len(order)
+        for p, gp, gc in zip(order, flat[:n], flat[n:]):
+            self._cv.update(names[p], gp, gc)
+        if surrogate is None:
+            return torch.tensor(loss)
+        if linear is not None:
+            surrogate = surrogate + (linear - linear.detach())
+        warn_if_nan(surrogate, "loss")
+        return loss + (surrogate - surrogate.detach())
+
     def _before_backward(self, item, blocks) -> None:
         pass
 
@@ -426,11 +499,13 @@ class _Cut:
 
     def __enter__(self):
         for g in self.groups:
-            g.cut = True
+            if g is not None:
+                g.cut = True
 
     def __exit__(self, *exc):
         for g in self.groups:
-            g.cut = False
+            if g is not None:
+                g.cut = False
 
 
 def _score_tensor(site):
@@ -442,7 +517,9 @@ def _score_tensor(site):
     not their log-density (``Rejector``: they keep STL's treatment).
     """
     fn = site["fn"]
-    if not isinstance(fn, SplitDistribution) or not fn.is_split(site["value"]):
+    if not isinstance(fn, SplitDistribution):
+        return _filled_score(site)
+    if not fn.is_split(site["value"]):
         return None
     if is_delta(fn.base_dist):
         return None
@@ -455,6 +532,24 @@ def _score_tensor(site):
     if not score.requires_grad:
         return None
     return scaled(site, score), fn.batch.group
+
+
+def _filled_score(site):
+    r"""The score part of a site whose ``score_parts`` the default STL path filled (no relays).
+
+    ``log q(z; phi) - log q(z; stop(phi))``: value 0, gradient the score part
+    :math:`\nabla_\phi \log q(\bot(z); \phi)` with every sample held fixed (the paths
+    through the sample, and through the earlier samples a conditional site reads, cancel).
+    """
+    if not latent_site(site) or not uses_pathwise(site) or is_delta(site["fn"]):
+        return None
+    value = site["value"]
+    if not (torch.is_tensor(value) and torch.is_grad_enabled()):
+        return None
+    full = scaled(site, site["fn"].log_prob(value))
+    if not full.requires_grad:
+        return None
+    return full - site["log_prob"], None
 
 
 # ----------------------------------------------------------------------------- STL
