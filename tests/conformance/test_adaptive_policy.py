@@ -6,8 +6,7 @@ for a frozen ``b`` the same-draw reference is ``(1 - b) * STL + b * Trace`` (Pyr
 ``Trace_ELBO`` and the STL reference built from Pyro's traces, ``checks.stl_reference_grad``).
 
 * ``first``: a fresh default estimator's first step equals Pyro's ``Trace_ELBO`` on the same seed
-  (the policy starts at ``b = 1``), on the cases whose guide sites all have a score part
-  (``FULL_SCORE``);
+  (the policy starts at ``b = 1``);
 * ``frozen``: with ``b`` frozen at -0.5 and at 2 the gradient equals the same-draw reference
   above (so the mean gradient is ``Trace_ELBO``'s for any frozen ``b``);
 * ``zero``: at the exact posterior (where the guide family holds it) the default policy moves to
@@ -36,27 +35,6 @@ from .checks import (
 )
 
 WARMUP = 10  # TraceAdaptiveSTL_ELBO's default warm-up
-#: cases whose guide sites all have a separate score part; elsewhere (reparam handlers,
-#: auxiliary or Delta sites, non-reparameterized sites, flows that are not split, structured
-#: guides) those sites keep STL's treatment at every ``b``, and ``(1 - b) STL + b Trace`` is
-#: not the same-draw reference there
-FULL_SCORE = (
-    "AutoNormal",
-    "AutoDiagonalNormal",
-    "AutoMultivariateNormal",
-    "AutoLowRankMultivariateNormal",
-    "AutoMeanField-Gamma",
-    "AutoMeanField-Beta",
-    "AutoMeanField-Dirichlet",
-    "chain1",
-    "chain2",
-    "chain3",
-    "amortized",
-    "subsample_all",
-    "nested_plates",
-    "scale_tensor",
-    "mask",
-)
 
 
 def _default(case, **kw):
@@ -138,8 +116,7 @@ def _cells():
         spec = case.raise_for("Adaptive", False)
         if spec is not None and not spec.optional:
             continue  # the matrix's raises cells cover these
-        if case.name in FULL_SCORE:
-            out += [(case, "first"), (case, "frozen")]
+        out += [(case, "first"), (case, "frozen")]
         if case.build_has_exact:
             out.append((case, "zero"))
     return out
