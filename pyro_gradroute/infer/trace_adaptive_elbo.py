@@ -79,6 +79,7 @@ class _ControlVariate:
         self.confidence = float(confidence)
         self.fixed_weight = None if fixed_weight is None else float(fixed_weight)
         self.state: dict[str, dict] = {}
+        self.layouts: dict[str, list] = {}  # joint state -> [(parameter name, shape)]
 
     # -- the rule ---------------------------------------------------------------------
     def _fit(self, st: dict) -> dict:
@@ -145,6 +146,15 @@ class _ControlVariate:
     def diagnostics(self, name: str) -> dict | None:
         """``{"b", "b_hat", "se", "endpoint", "n_eff"}`` of ``name`` (``None`` during warm-up)."""
         st = self.state.get(name)
+        if st is None:  # a parameter kept in a joint state (weight_many)
+            for key, layout in self.layouts.items():
+                if name in dict(layout) and self._ready(self.state.get(key)):
+                    fit = self._cached_fit(self.state[key], self.state[key]["scc"])
+                    return {
+                        k: (self._split(key, v)[name] if torch.is_tensor(v) else v)
+                        for k, v in fit.items()
+                    }
+            return None
         if not self._ready(st):
             return None
         return dict(self._cached_fit(st, st["scc"]))
@@ -154,8 +164,47 @@ class _ControlVariate:
         out = {}
         for name, st in list(self.state.items()):
             b = self.weight(name, st["scc"])
-            out[name] = torch.zeros_like(st["scc"]) if b is None else b
+            b = torch.zeros_like(st["scc"]) if b is None else b
+            if name in self.layouts:
+                out.update(self._split(name, b))
+            else:
+                out[name] = b
         return out
+
+    # -- all of a step's parameters as one vector: one fit and one update per step ------
+    _SEP = "\x1f"
+
+    def _split(self, key: str, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        names, shapes = zip(*self.layouts[key])
+        sizes = [math.prod(s) for s in shapes]
+        return {n: t.view(s) for n, t, s in zip(names, flat.split(sizes), shapes)}
+
+    def _key(self, names: list[str], tensors: list[torch.Tensor]) -> str:
+        key = self._SEP.join(names)
+        layout = [(n, tuple(t.shape)) for n, t in zip(names, tensors)]
+        if self.layouts.get(key) != layout:  # a parameter changed shape: start again
+            self.state.pop(key, None)
+            self.layouts[key] = layout
+        return key
+
+    def weight_many(self, names: list[str], likes: list[torch.Tensor]) -> list[torch.Tensor]:
+        """:meth:`weight` of several parameters at once, kept as one joint state (elementwise the same rule).
+
+        The joint state belongs to this set of parameters: a step with another set starts
+        a new one (at ``Trace_ELBO``, ``b = 1``).
+        """
+        key = self._key(names, likes)
+        flat = torch.cat([t.detach().reshape(-1) for t in likes])
+        b = self.weight(key, flat)
+        return list(self._split(key, b).values())
+
+    def update_many(
+        self, names: list[str], g_paths: list[torch.Tensor], g_cvs: list[torch.Tensor]
+    ) -> None:
+        """:meth:`update` of several parameters at once (see :meth:`weight_many`)."""
+        key = self._key(names, g_cvs)
+        cat = torch.cat
+        self.update(key, cat([g.reshape(-1) for g in g_paths]), cat([g.reshape(-1) for g in g_cvs]))
 
     @staticmethod
     def _to(st: dict, like: torch.Tensor) -> None:
@@ -202,6 +251,7 @@ class _ControlVariate:
             "center": self.center,
             "confidence": self.confidence,
             "fixed_weight": self.fixed_weight,
+            "layouts": {k: list(v) for k, v in self.layouts.items()},
             "moments": {
                 k: {
                     kk: (v.clone() if torch.is_tensor(v) else v)
@@ -226,6 +276,7 @@ class _ControlVariate:
             k: {kk: (v.clone() if torch.is_tensor(v) else v) for kk, v in st.items()}
             for k, st in state["moments"].items()
         }
+        self.layouts = {k: [tuple(e) for e in v] for k, v in state.get("layouts", {}).items()}
 
 
 def _trace_params(*traces) -> list[torch.Tensor]:
@@ -317,6 +368,7 @@ class _AdaptiveMixin:
     def reset(self) -> None:
         """Forget the moments (the next step is ``Trace_ELBO``'s / IWAE's, ``b = 1``)."""
         self._cv.state.clear()
+        self._cv.layouts.clear()
 
     # -- the step -------------------------------------------------------------------
     _cv_first = True  # whether the control variate's pass runs before the base backward
@@ -370,7 +422,8 @@ class _AdaptiveMixin:
         order = sorted(g_cv, key=lambda p: names[p])  # the same order on every rank
         g_path = {p: (p.grad if p.grad is not None else torch.zeros_like(p)) for p in order}
         # this step's weights come from earlier steps only
-        weights = {p: self._cv.weight(names[p], p) for p in order}
+        keys = [names[p] for p in order]
+        weights = dict(zip(order, self._cv.weight_many(keys, order))) if order else {}
         for p in order:
             b = weights[p]
             if b is not None:
@@ -378,8 +431,8 @@ class _AdaptiveMixin:
         world = _world(self._distributed)
         flat = _allreduce_mean([g_path[p] for p in order] + [g_cv[p] for p in order], world)
         n = len(order)
-        for p, gp, gc in zip(order, flat[:n], flat[n:]):
-            self._cv.update(names[p], gp, gc)
+        if n:
+            self._cv.update_many(keys, flat[:n], flat[n:])
         for p, old in saved.items():  # add back what .grad held before the step
             if old is not None:
                 p.grad = old if p.grad is None else old.add_(p.grad)
@@ -440,16 +493,17 @@ class _AdaptiveMixin:
         order = sorted(g_cv, key=lambda p: names[p])  # the same order on every rank
         paths = [g_path[p] if p in g_path else torch.zeros_like(p) for p in order]
         linear = None
-        for p in order:
-            b = self._cv.weight(names[p], p)  # from earlier calls only
+        keys = [names[p] for p in order]
+        bs = self._cv.weight_many(keys, order) if order else []  # from earlier calls only
+        for p, b in zip(order, bs):
             if b is not None:
                 term = (b * g_cv[p]).detach().mul(p).sum()
                 linear = term if linear is None else linear + term
         world = _world(self._distributed)
         flat = _allreduce_mean(paths + [g_cv[p] for p in order], world)
         n = len(order)
-        for p, gp, gc in zip(order, flat[:n], flat[n:]):
-            self._cv.update(names[p], gp, gc)
+        if n:
+            self._cv.update_many(keys, flat[:n], flat[n:])
         if surrogate is None:
             return torch.tensor(loss)
         if linear is not None:
@@ -521,11 +575,17 @@ def _score_tensor(site):
         return _filled_score(site)
     if not fn.is_split(site["value"]):
         return None
-    if is_delta(fn.base_dist):
-        return None
     rec = fn.batch.records.get(site["name"])
     if rec is None or rec.parts is None:
         return None
+    if is_delta(fn.base_dist) or getattr(rec, "owner", None) is not None:
+        # a Delta (or a structured guide's site): its score part is what the full density
+        # adds to the pathwise one (nothing for a Delta computed from earlier draws)
+        full, path, _ = rec.parts
+        if full.log_prob is path.log_prob or not torch.is_tensor(full.log_prob):
+            return None
+        diff = full.log_prob - path.log_prob
+        return (scaled(site, diff), fn.batch.group) if diff.requires_grad else None
     full, _, score = rec.parts
     if full.entropy_term is not full.log_prob or not torch.is_tensor(score):
         return None
