@@ -26,8 +26,8 @@ same initialisation and draws from the same seed: paired seeds):
 
 Estimators (a registry: one line each): ``trace`` (Pyro's ``Trace_ELBO``; ``TraceEnum_ELBO``
 for the mixture), ``stl`` (``TraceSTL_ELBO``; for the mixture Pyro's ``TraceEnum_ELBO`` with
-the guide under ``stick_the_landing``), ``trace->stl`` (Pyro's ``Trace_ELBO`` for the first
-30% of the steps, then STL, written here as a schedule), ``adaptive``
+the guide under ``stick_the_landing``), ``trace->stl`` (``TraceSTL_ELBO(trace_steps=N)``
+with N 30% of the steps: ``Trace_ELBO``'s gradient first, then STL), ``adaptive``
 (``TraceAdaptiveSTL_ELBO()`` with its defaults), and for the VAE ``iwae`` (Pyro's
 ``RenyiELBO(alpha=0, num_particles=8)``) and ``dreg`` (``TraceDReG_ELBO(num_particles=8)``).
 
@@ -299,12 +299,25 @@ def _trace(p: Problem):
     return Trace_ELBO(), p.guide
 
 
-def _switch(first, then, fraction: float):
-    """A schedule: ``first`` for ``fraction`` of the steps, then ``then``."""
+def _trace_steps(fraction: float):
+    """``TraceSTL_ELBO(trace_steps=...)`` (the mixture: ``stick_the_landing(guide, trace_steps=...)``)."""
 
     def make(p):
-        a, b = first(p), then(p)
-        return lambda step, total: a if step < fraction * total else b
+        built = {}
+
+        def schedule(step, total):
+            if "e" not in built:
+                n = int(fraction * total)
+                if p.enum:
+                    built["e"] = (
+                        TraceEnum_ELBO(max_plate_nesting=p.max_plate_nesting),
+                        stick_the_landing(p.guide, trace_steps=n),
+                    )
+                else:
+                    built["e"] = (TraceSTL_ELBO(trace_steps=n), p.guide)
+            return built["e"]
+
+        return schedule
 
     return make
 
@@ -329,7 +342,7 @@ def _adaptive(p: Problem):
 ESTIMATORS: dict[str, tuple[Callable, set | None]] = {
     "trace": (_always(_trace), None),
     "stl": (_always(_stl), None),
-    "trace->stl": (_switch(_trace, _stl, 0.3), None),
+    "trace->stl": (_trace_steps(0.3), None),
     "adaptive": (_always(_adaptive), None),
     "iwae": (
         _always(
