@@ -126,7 +126,7 @@ def _live(orig: torch.Tensor, recomputed: torch.Tensor) -> torch.Tensor:
 def structured_pathwise(guide, records: dict) -> dict:
     """``{site name: (pathwise log_prob, is_point)}`` of a structured guide's sites in ``records``.
 
-    ``records``: the batch's :class:`~pyro_gradroute.distributions.split_distribution.SiteRecord`
+    ``records``: the batch's :class:`~pyro_gradroute.poutine.split_distribution.SiteRecord`
     by name (``raw``: the sample, ``parts[0]``: the full score parts, already evaluated for
     the auxiliary sites). ``is_point``: a Delta site of ``AutoStructured``'s ``"delta"``
     conditional (a deterministic function of parameters and upstream noise, no density).
@@ -157,7 +157,14 @@ def structured_pathwise(guide, records: dict) -> dict:
         ):
             if getattr(type(guide), meth) is not getattr(AutoGaussianDense, meth):
                 raise StructuredNotSupported(_override_msg(guide, meth))
-        return _autogaussian(guide, records)
+        try:
+            return _autogaussian(guide, records)
+        except RuntimeError as e:  # a layout the recomputation does not reproduce
+            raise StructuredNotSupported(
+                f"guide site '_{pyro_name(guide)}_latent': the pathwise part of this "
+                f"AutoGaussian could not be recomputed ({e}); dropping the score part without "
+                "it would bias the gradient. Use pyro_gradroute.infer.Trace_ELBO with this guide."
+            ) from e
     raise StructuredNotSupported(f"unsupported structured guide {type(guide).__name__}")
 
 

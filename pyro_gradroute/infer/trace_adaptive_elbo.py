@@ -20,8 +20,8 @@ import torch
 import torch.distributed as torch_dist
 
 from ..distributions.split import is_delta
-from ..distributions.split_distribution import SplitDistribution
 from ..poutine.pathwise import latent_site
+from ..poutine.split_distribution import SplitDistribution
 from ..poutine.stick_the_landing_messenger import uses_pathwise
 from .elbo import Terms
 from .trace_dreg_elbo import TraceDReG_ELBO
@@ -584,8 +584,10 @@ def _score_tensor(site):
         full, path, _ = rec.parts
         if full.log_prob is path.log_prob or not torch.is_tensor(full.log_prob):
             return None
+        # full - pathwise is the score part through every path: no cut points (which would
+        # cut the full part's paths through the samples but not the pathwise part's)
         diff = full.log_prob - path.log_prob
-        return (scaled(site, diff), fn.batch.group) if diff.requires_grad else None
+        return (scaled(site, diff), None) if diff.requires_grad else None
     full, _, score = rec.parts
     if full.entropy_term is not full.log_prob or not torch.is_tensor(score):
         return None
@@ -830,13 +832,22 @@ class TraceAdaptiveSTL_ELBO(_AdaptiveMixin, TraceSTL_ELBO):
         if not scores:
             return {}
         n = self._particle_divisor()
-        by_route: dict = {}
-        for key, s, _ in scores:
-            outs, seeds = by_route.setdefault(_blocked(blocks, key), ([], []))
-            outs.append(s / n if n > 1 else s)
-            seeds.append(torch.ones_like(s))
-        with _Cut(g for _, _, g in scores):
-            return _grads_by_route(by_route, params, retain_last=retain)
+        out: dict = {}
+        # scores taken with the relays cut, and those that need every path (group None)
+        cut = [x for x in scores if x[2] is not None]
+        uncut = [x for x in scores if x[2] is None]
+        for i, part in enumerate(p for p in (cut, uncut) if p):
+            by_route: dict = {}
+            for key, s, _ in part:
+                outs, seeds = by_route.setdefault(_blocked(blocks, key), ([], []))
+                outs.append(s / n if n > 1 else s)
+                seeds.append(torch.ones_like(s))
+            last = i == (1 if cut and uncut else 0)
+            with _Cut(g for _, _, g in part):
+                gs = _grads_by_route(by_route, params, retain_last=retain or not last)
+            for p, g in gs.items():
+                out[p] = g if p not in out else out[p] + g
+        return out
 
 
 # ----------------------------------------------------------------------------- DReG

@@ -9,7 +9,7 @@ from pyro.infer.util import get_dependent_plate_dims
 from pyro.poutine import Trace
 
 from ..distributions.split import _reached, is_delta, reaches_leaf_directly
-from ..distributions.split_distribution import SplitDistribution, check_delta_density
+from ..poutine.split_distribution import SplitDistribution, check_delta_density
 from .elbo import RoutedELBO, Terms, _joint_blocks, add_term, collect_blocks
 from .traces import get_split_importance_trace, site_parts
 

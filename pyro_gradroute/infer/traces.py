@@ -3,7 +3,7 @@
 :func:`get_split_importance_trace` is :func:`pyro.infer.enum.get_importance_trace`
 (``"flat"`` graph), with the guide run under a
 :class:`~pyro_gradroute.poutine.split_messenger.SplitMessenger`: each latent guide
-site's distribution is a :class:`~pyro_gradroute.distributions.split_distribution.SplitDistribution`,
+site's distribution is a :class:`~pyro_gradroute.poutine.split_distribution.SplitDistribution`,
 so Pyro's own ``Trace.compute_score_parts`` computes ``log_prob``, ``log_prob_sum``
 and ``score_parts`` (through each distribution's ``score_parts`` hook, so that
 ``Rejector`` and masked distributions keep Pyro's meaning), every site's density
@@ -23,8 +23,8 @@ from pyro.poutine.util import prune_subsample_sites
 from pyro.util import check_if_enumerated, check_model_guide_match, check_site_shape, get_rng_state
 from pyro.util import set_rng_state as set_pyro_rng_state
 
-from ..distributions.split_distribution import SplitBatch, SplitDistribution
 from ..poutine.gated_distribution import unwrap_gates
+from ..poutine.split_distribution import SplitBatch, SplitDistribution
 from ..poutine.split_messenger import SplitMessenger
 
 
@@ -99,7 +99,7 @@ def get_split_importance_trace(
     :param needs_split: optional ``record -> bool``: the guide sites whose split parts the
         estimator uses (``False``: none, and the guide runs exactly as under Pyro's ELBOs), and ``fallback(record, error) -> bool`` for sites that cannot be
         split, and ``pathwise(record) -> bool`` for the sites whose ``score_parts`` carry
-        the pathwise gradient (see :class:`~pyro_gradroute.distributions.split_distribution.SplitBatch`).
+        the pathwise gradient (see :class:`~pyro_gradroute.poutine.split_distribution.SplitBatch`).
     :param fill: optional ``guide_trace -> bool``, called (with ``needs_split=False``) before
         the guide's score parts are computed, to set some sites' ``score_parts`` itself
         (:func:`~pyro_gradroute.poutine.pathwise.fill_score_parts`); ``False`` means it

@@ -5,8 +5,8 @@ from __future__ import annotations
 from pyro.poutine.messenger import Messenger
 from pyro.poutine.util import site_is_subsample
 
-from ..distributions.split_distribution import SplitBatch, SplitDistribution
 from .gated_distribution import GatedDistribution
+from .split_distribution import SplitBatch, SplitDistribution
 
 
 class SplitMessenger(Messenger):
@@ -23,7 +23,7 @@ class SplitMessenger(Messenger):
 
         >>> import torch, pyro, pyro.distributions as dist
         >>> from pyro import poutine
-        >>> from pyro_gradroute.distributions.split_distribution import SplitBatch
+        >>> from pyro_gradroute.poutine.split_distribution import SplitBatch
         >>> def guide():
         ...     loc = pyro.param("loc", torch.tensor(0.0))
         ...     pyro.sample("z", dist.Normal(loc, 1.0))

@@ -13,9 +13,9 @@ from torch.distributions import Distribution, kl_divergence, register_kl
 from .._compat import calling_elbo
 from ..distributions.detached import detached_copy, param_tensors
 from ..distributions.split import _above, delta_base, reaches_leaf_directly
-from ..distributions.split_distribution import SplitBatch, SplitDistribution
 from .gated_distribution import GatedDistribution
 from .pathwise import Conditional, NeedsGeneralSplit, conditional_pathwise, frontier, site_pathwise
+from .split_distribution import SplitBatch, SplitDistribution
 from .split_messenger import SplitMessenger, _split_of
 
 _EMPTY = torch.Size()
@@ -353,6 +353,7 @@ class StickTheLandingMessenger(SplitMessenger):
                 and split.batch is self.batch
                 and torch.is_tensor(value)
                 and value.requires_grad
+                and self._policy.uses_pathwise(msg)
                 and not self.batch.drew(value)
             ):
                 raise _not_drawn(msg["name"])
@@ -361,19 +362,22 @@ class StickTheLandingMessenger(SplitMessenger):
         if not isinstance(fn, PathwiseDistribution) or fn._run is not self._run:
             return
         value = msg["value"]
+        if not self._policy.uses_pathwise(msg):
+            msg["fn"] = msg["fn"].base_dist if msg["fn"] is fn else msg["fn"]
+            self._run.add(value)
+            return  # the ordinary parts (score-function sites keep Pyro's treatment)
         if value is not fn._value:
             raise _not_drawn(msg["name"])
-        if self._policy.uses_pathwise(msg):
-            base, name = fn.base_dist, msg["name"]
-            try:
-                parts = site_pathwise(name, base, value, self._run.earlier, self._run.nodes)
-            except NeedsGeneralSplit:
-                parts = self._not_prepared(name)
-            if isinstance(parts, Conditional):
-                self._run.pending.append((fn, parts))
-                parts = self._resolve
-            fn._parts = parts
-            self._run.changed = self._run.changed or delta_base(base) is None
+        base, name = fn.base_dist, msg["name"]
+        try:
+            parts = site_pathwise(name, base, value, self._run.earlier, self._run.nodes)
+        except NeedsGeneralSplit:
+            parts = self._not_prepared(name)
+        if isinstance(parts, Conditional):
+            self._run.pending.append((fn, parts))
+            parts = self._resolve
+        fn._parts = parts
+        self._run.changed = self._run.changed or delta_base(base) is None
         self._run.add(value)
 
     def _not_prepared(self, name: str) -> None:

@@ -21,7 +21,7 @@ from pyro.distributions import TorchDistribution
 from pyro.distributions.score_parts import ScoreParts
 from torch.distributions import Distribution, kl_divergence, register_kl
 
-from .split import (
+from ..distributions.split import (
     Relay,
     RelayGroup,
     SplitNotSupported,
@@ -31,7 +31,11 @@ from .split import (
     reaches_leaf_directly,
     split_score_parts,
 )
-from .structured import StructuredNotSupported, calling_structured_guide, structured_pathwise
+from ..distributions.structured import (
+    StructuredNotSupported,
+    calling_structured_guide,
+    structured_pathwise,
+)
 
 _EMPTY = torch.Size()
 
@@ -307,6 +311,8 @@ def check_auxiliary_links(batch: SplitBatch) -> None:
     for rec in batch.records.values():
         if not (rec.split and rec.upstream and rec.parts is not None):
             continue
+        if delta_base(rec.fn) is not None:
+            continue  # a Delta reading it has no score part to drop (AutoLaplaceApproximation)
         score = rec.parts[2]
         if not (torch.is_tensor(score) and score.requires_grad):
             continue
