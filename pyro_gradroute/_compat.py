@@ -84,8 +84,23 @@ def calling_elbo(depth: int = 40):
     for _ in range(depth):
         if frame is None:
             return None
-        obj = frame.f_locals.get("self")
-        if isinstance(obj, ELBO):
-            return obj
+        if frame.f_code.co_name in _ELBO_METHODS:  # reading f_locals costs: only these frames
+            obj = frame.f_locals.get("self")
+            if isinstance(obj, ELBO):
+                return obj
         frame = frame.f_back
     return None
+
+
+#: the methods through which an ELBO runs a guide (Pyro's and this package's)
+_ELBO_METHODS = frozenset(
+    {
+        "_get_trace",
+        "_get_traces",
+        "_get_vectorized_trace",
+        "loss",
+        "loss_and_grads",
+        "differentiable_loss",
+        "_differentiable_loss_particle",
+    }
+)

@@ -201,7 +201,9 @@ class PathwiseDistribution(TorchDistribution):
         self._name = name
         self._value = None
         self._parts = None
-        super().__init__(base_dist.batch_shape, base_dist.event_shape, validate_args=False)
+        # what Distribution.__init__ sets, without its checks (one wrapper per site and step)
+        self._batch_shape, self._event_shape = base_dist.batch_shape, base_dist.event_shape
+        self._validate_args = False
 
     def __getattr__(self, name):
         if name in ("base_dist", "_run", "_name", "_value", "_parts"):
