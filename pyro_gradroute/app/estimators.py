@@ -79,21 +79,44 @@ def make_elbo(
 
 
 def _stick_the_landing(elbo):
-    """``elbo`` (a Pyro ELBO) whose guide is always run under ``poutine.stick_the_landing``."""
+    """``elbo`` (a Pyro ELBO) whose guide is always run under ``poutine.stick_the_landing``.
+
+    A wrapper, not a subclass: the estimator that runs the guide stays the plain ELBO (the
+    handler's allow-list sees it), and each guide keeps one handler, which learns on its
+    first run what the guide needs.
+    """
+    from pyro.infer.elbo import ELBO
+
     from pyro_gradroute.poutine import stick_the_landing
 
-    base = type(elbo)
+    class StickTheLandingELBO(ELBO):
+        def __init__(self, inner):
+            self.elbo = inner
+            self._guides: dict = {}
 
-    class WithStickTheLanding(base):  # type: ignore[valid-type, misc]
+        def __getattr__(self, name):
+            if name in ("elbo", "_guides"):
+                raise AttributeError(name)
+            return getattr(self.elbo, name)
+
+        def _get_trace(self, model, guide, args, kwargs):
+            return self.elbo._get_trace(model, self._wrap(guide), args, kwargs)
+
+        def _wrap(self, guide):
+            key = id(guide)
+            if key not in self._guides or self._guides[key][0] is not guide:
+                self._guides[key] = (guide, stick_the_landing(guide))
+            return self._guides[key][1]
+
         def loss(self, model, guide, *args, **kwargs):
-            return super().loss(model, stick_the_landing(guide), *args, **kwargs)
+            return self.elbo.loss(model, self._wrap(guide), *args, **kwargs)
 
         def loss_and_grads(self, model, guide, *args, **kwargs):
-            return super().loss_and_grads(model, stick_the_landing(guide), *args, **kwargs)
+            return self.elbo.loss_and_grads(model, self._wrap(guide), *args, **kwargs)
 
         def differentiable_loss(self, model, guide, *args, **kwargs):
-            return super().differentiable_loss(model, stick_the_landing(guide), *args, **kwargs)
+            return self.elbo.differentiable_loss(model, self._wrap(guide), *args, **kwargs)
 
-    WithStickTheLanding.__name__ = base.__name__ + "WithStickTheLanding"
-    elbo.__class__ = WithStickTheLanding
-    return elbo
+    wrapped = StickTheLandingELBO(elbo)
+    type(wrapped).__name__ = type(elbo).__name__ + "WithStickTheLanding"
+    return wrapped
