@@ -119,11 +119,16 @@ class _ControlVariate:
     def _ready(self, st: dict | None) -> bool:
         return st is not None and st["n"] > self.warmup and st["qw"] > 0
 
+    #: after the first ``_FRESH`` steps past warm-up, the fit is recomputed every ``_REFIT``
+    #: steps (the weights still come from earlier steps only; a fit costs ~35 vector ops)
+    _REFIT, _FRESH = 4, 20
+
     def _cached_fit(self, st: dict, like: torch.Tensor) -> dict:
         fit = st.get("fit")
         if fit is None or fit["b"].device != like.device or fit["b"].dtype != like.dtype:
             self._to(st, like)
             fit = st["fit"] = self._fit(st)
+            st["age"] = 0
         return fit
 
     def weight(self, name: str, like: torch.Tensor) -> torch.Tensor | None:
@@ -149,7 +154,7 @@ class _ControlVariate:
         if st is None:  # a parameter kept in a joint state (weight_many)
             for key, layout in self.layouts.items():
                 if name in dict(layout) and self._ready(self.state.get(key)):
-                    fit = self._cached_fit(self.state[key], self.state[key]["scc"])
+                    fit = self._fit(self.state[key])
                     return {
                         k: (self._split(key, v)[name] if torch.is_tensor(v) else v)
                         for k, v in fit.items()
@@ -157,7 +162,7 @@ class _ControlVariate:
             return None
         if not self._ready(st):
             return None
-        return dict(self._cached_fit(st, st["scc"]))
+        return dict(self._fit(st))  # from every step so far
 
     def weights(self) -> dict[str, torch.Tensor]:
         """``{name: b}`` that the next step applies, for every parameter with a state."""
@@ -241,7 +246,9 @@ class _ControlVariate:
         st["w1"] = beta * st["w1"] + 1.0
         st["w2"] = beta * beta * st["w2"] + 1.0
         st["n"] += 1
-        st["fit"] = None  # recomputed when next asked for
+        st["age"] = st.get("age", 0) + 1
+        if st["n"] <= self.warmup + self._FRESH or st["age"] >= self._REFIT:
+            st["fit"] = None  # recomputed when next asked for
 
     def state_dict(self) -> dict:
         return {
@@ -734,10 +741,13 @@ class TraceAdaptiveSTL_ELBO(_AdaptiveMixin, TraceSTL_ELBO):
     the moments and the step). With ``num_particles`` the moments are those of the
     step's averaged gradient, whose :math:`b^\star` equals a single particle's.
 
-    **Cost.** One model and one guide pass, the base backward, and one small pruned
-    backward of the score parts with the sample relays cut (it reaches only the guide's
-    parameters directly: for an amortized guide, one backward of the encoder), plus seven
-    buffers (five without ``center``) of each guide parameter's size.
+    **Cost.** One model and one guide pass (the default STL path: no relays for plain
+    families), the base backward, and one small backward of the score parts
+    :math:`\log q(z;\phi) - \log q(z;\bot(\phi))` (it reaches the guide's parameters only;
+    for an amortized guide, one backward of the encoder), plus seven buffers (five without
+    ``center``) of each guide parameter's size, kept as one joint state for the step's
+    parameters: one fit and one update per step, the fit recomputed every 4 steps after the
+    first 20 past warm-up.
 
     **Sites.** Sites without a score part (``Delta``, non-reparameterized sites,
     ``infer={"stl": False}``, flows that cannot be split, ``Rejector``-like families with
