@@ -603,6 +603,18 @@ def _score_tensor(site):
     return scaled(site, score), fn.batch.group
 
 
+def _transformed(fn) -> bool:
+    """Whether ``fn`` evaluates through transforms (a detached value would miss their caches)."""
+    from torch.distributions import TransformedDistribution
+
+    while True:
+        if isinstance(fn, TransformedDistribution):
+            return True
+        fn = getattr(fn, "base_dist", None)
+        if fn is None:
+            return False
+
+
 def _filled_score(site):
     r"""The score part of a site whose ``score_parts`` the default STL path filled (no relays).
 
@@ -615,6 +627,11 @@ def _filled_score(site):
     value = site["value"]
     if not (torch.is_tensor(value) and torch.is_grad_enabled()):
         return None
+    if not getattr(site["score_parts"], "conditional", True) and not _transformed(site["fn"]):
+        # parameters read no earlier sample: the density at the detached sample is the
+        # score part (a backward that reaches the parameters only)
+        score = scaled(site, site["fn"].log_prob(value.detach()))
+        return (score, None) if score.requires_grad else None
     full = scaled(site, site["fn"].log_prob(value))
     if not full.requires_grad:
         return None

@@ -130,7 +130,9 @@ def site_pathwise(name: str, fn, value: torch.Tensor, earlier: list[torch.Tensor
     ups = frontier(params, nodes)
     if not ups:
         lp = copy.log_prob(value)
-        return ScoreParts(lp, 0, lp)
+        parts = PathwiseParts(lp, 0, lp)
+        parts.conditional = False
+        return parts
     if torch.jit.is_tracing():
         raise NotImplementedError(
             f"guide site '{name}': its density depends on earlier guide samples (a "
@@ -221,12 +223,20 @@ def pathwise_score_parts(
     return out
 
 
+class PathwiseParts(ScoreParts):
+    """The pathwise parts of a site, as ``score_parts`` (``conditional``: the site reads earlier samples)."""
+
+    conditional: bool = True
+
+
 def fill_score_parts(guide_trace, parts: dict[str, ScoreParts]) -> None:
     """Set the sites' ``score_parts`` (and ``log_prob``...) as ``Trace.compute_score_parts`` would."""
     for name, p in parts.items():
         site = guide_trace.nodes[name]
         site["unscaled_log_prob"] = p.log_prob
-        p = p.scale_and_mask(site["scale"], site["mask"])
+        conditional = getattr(p, "conditional", True)
+        p = PathwiseParts(*p.scale_and_mask(site["scale"], site["mask"]))
+        p.conditional = conditional
         site["score_parts"] = p
         site["log_prob"] = p.log_prob
         site["log_prob_sum"] = p.log_prob.sum()
