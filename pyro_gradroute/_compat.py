@@ -104,3 +104,35 @@ _ELBO_METHODS = frozenset(
         "_differentiable_loss_particle",
     }
 )
+
+
+def will_engine_execute(node) -> bool:
+    """Whether the backward pass now running will run (or capture at) autograd ``node``.
+
+    torch has no public spelling for this query (``torch._C._will_engine_execute_node``);
+    it raises ``RuntimeError`` for an input leaf of ``torch.autograd.grad``, which is captured.
+    """
+    try:
+        return bool(torch._C._will_engine_execute_node(node))
+    except RuntimeError:
+        return True
+
+
+def tensor_backward_hooks(t: torch.Tensor) -> dict | None:
+    """The ordered dict of hooks ``t.register_hook`` added (torch's ``Tensor._backward_hooks``)."""
+    return getattr(t, "_backward_hooks", None)
+
+
+def find_frame(codes: dict, depth: int = 48):
+    """``(frame, value)`` of the innermost caller frame whose code object is a key of ``codes``."""
+    import sys
+
+    frame = sys._getframe(2)
+    for _ in range(depth):
+        if frame is None:
+            return None, None
+        hit = codes.get(frame.f_code)
+        if hit is not None:
+            return frame, hit
+        frame = frame.f_back
+    return None, None

@@ -404,10 +404,9 @@ def grad(
 
 def _will_execute(node) -> bool:
     """Whether the backward pass now running will run (or capture at) ``node``."""
-    try:
-        return bool(torch._C._will_engine_execute_node(node))
-    except RuntimeError:  # an input leaf of torch.autograd.grad: it is captured
-        return True
+    from ._compat import will_engine_execute  # torch's private API lives there
+
+    return will_engine_execute(node)
 
 
 def _no_grad_in_no_grad_out(grad_inputs, grad_outputs):
@@ -423,7 +422,9 @@ _HOOKED = "_gradroute_no_grad_hook"
 def _skip_none_in_term_hooks(term: torch.Tensor) -> None:
     """Hooks on the term itself are not called when no gradient reaches it (a full backward
     sends none into the term's graph; e.g. Pyro's NaN-check hooks do not accept ``None``)."""
-    hooks = getattr(term, "_backward_hooks", None)
+    from ._compat import tensor_backward_hooks
+
+    hooks = tensor_backward_hooks(term)
     if not hooks:
         return
     for key, hook in list(hooks.items()):

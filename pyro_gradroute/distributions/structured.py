@@ -40,13 +40,12 @@ naming the site.
 
 from __future__ import annotations
 
-import sys
 from operator import attrgetter
 
 import torch
 from torch.distributions import biject_to
 
-from .._compat import pyro_name
+from .._compat import find_frame, pyro_name
 
 __all__ = ["StructuredNotSupported", "calling_structured_guide", "structured_pathwise"]
 
@@ -77,16 +76,11 @@ def calling_structured_guide(max_depth: int = 48):
     global _CODES
     if _CODES is None:
         _CODES = _guide_codes()
-    frame = sys._getframe(1)
-    for _ in range(max_depth):
-        if frame is None:
-            return None
-        cls = _CODES.get(frame.f_code)
-        if cls is not None:
-            guide = frame.f_locals.get("self")
-            return guide if isinstance(guide, cls) else None
-        frame = frame.f_back
-    return None
+    frame, cls = find_frame(_CODES, max_depth)
+    if frame is None:
+        return None
+    guide = frame.f_locals.get("self")
+    return guide if isinstance(guide, cls) else None
 
 
 def _stopped_call(module, x):
