@@ -6,12 +6,18 @@ For :math:`S` draws :math:`z_s \sim q(z)` the importance log-ratio is
 
     \log r_s = \log p(x, z_s) - \log q(z_s).
 
-By default model and guide run once, vectorized over an outer ``pyro.plate`` (Pyro's
-:func:`pyro.infer.importance.vectorized_importance_weights`). A model that does not vectorize
+By default model and guide run once, vectorized over an outer ``pyro.plate`` (as Pyro's
+:func:`pyro.infer.importance.vectorized_importance_weights` does). A model that does not vectorize
 (e.g. ``PyroModule[nn.Linear]`` with ``PyroSample`` priors, whose weight gains a batch
 dimension that ``F.linear`` refuses) is drawn one sample at a time instead, with a progress
 bar: ``vectorize=None`` (the default) tries the vectorized pass and falls back with a warning,
 ``vectorize=False`` skips the attempt, ``vectorize=True`` raises, saying so.
+
+Every subsampled ``pyro.plate`` runs at its full size (:mod:`.full_data`): the log-ratio is
+:math:`\log p(x_{1..N}, z_s) - \log q(z_s)` over all points, not a random minibatch's estimate,
+and :attr:`ImportanceDraws.full_plates` says which plates were made full. Discrete sites
+enumerated in the model (``infer={"enumerate": "parallel"}``, absent from the guide) are summed
+out (:mod:`.enumerated`): :math:`\log r_s = \log \sum_k p(x, z_s, k) - \log q(z_s)`.
 """
 
 from __future__ import annotations
@@ -19,18 +25,32 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass, field
 
+import pyro
 import pyro.poutine as poutine
 import torch
-from pyro.infer.importance import vectorized_importance_weights
+from pyro.distributions.util import scale_and_mask
 from pyro.poutine.util import prune_subsample_sites
 
 from .._compat import is_deterministic_site
+from .enumerated import EnumerationError, enumerate_model, marginal_terms
+from .full_data import full_data_error, full_plates
 from .plates import max_plate_nesting as plate_depth
 from .plates import trace_model
+
+_DRAWS = "_diagnostic_draws"  # the plate over guide draws
 
 
 class VectorizationError(RuntimeError):
     """The model or guide failed when run vectorized over the draws."""
+
+
+class PointwiseUnavailable:
+    """Stands for an observed site whose pointwise log-likelihood does not exist (an enumerated
+    site summed out over several points or sites); :meth:`ImportanceDraws.pointwise_log_prob`
+    raises with its reason."""
+
+    def __init__(self, site: str, reason: str) -> None:
+        self.site, self.reason = site, reason
 
 
 @dataclass
@@ -44,6 +64,10 @@ class ImportanceDraws:
         every observed site (event dimensions summed).
     :ivar base_trace: one plain (unvectorized) trace of the model: shapes, plates, observations.
     :ivar vectorized: whether the draws were made in one vectorized pass.
+    :ivar full_plates: ``{plate: (points the model's plate draws, full size)}`` for each
+        subsampled plate that was evaluated at its full size.
+    :ivar enumerated: names of the enumerated model sites that were summed out (they have no
+        draws in :attr:`values`).
     """
 
     log_ratios: torch.Tensor
@@ -54,6 +78,8 @@ class ImportanceDraws:
     #: latent draws in the layout ``Predictive`` takes: vectorized (``(S, 1, ..., *shape)``,
     #: the draw dimension left of the plates) or stacked (``(S, *shape)``) when drawn one by one
     predictive_values: dict = field(default_factory=dict, repr=False)
+    full_plates: dict = field(default_factory=dict)
+    enumerated: set = field(default_factory=set)
 
     @property
     def num_samples(self) -> int:
@@ -76,8 +102,18 @@ class ImportanceDraws:
 
     def pointwise_log_prob(self, name: str) -> torch.Tensor:
         """Unscaled ``log p(value | ...)`` of observed site ``name`` per draw and batch element,
-        shaped ``(S,) + the site's plain batch shape`` (event dimensions summed)."""
-        return self.log_probs[name]
+        shaped ``(S,) + the site's plain batch shape`` (event dimensions summed), with the
+        enumerated sites summed out.
+
+        :raises EnumerationError: where that log-likelihood does not factor over points."""
+        lp = self.log_probs[name]
+        if isinstance(lp, PointwiseUnavailable):
+            raise EnumerationError(
+                f"no pointwise log-likelihood for observed site {name!r}: {lp.reason}. "
+                "psis_khat and the log-ratios still work; for az.loo, make the enumerated "
+                "site local to one observed site's plate."
+            )
+        return lp
 
     def per_draw(self, t: torch.Tensor, plain_shape) -> torch.Tensor:
         """Reshape a vectorized ``(S, 1, ..., 1, *plain_shape)`` tensor (possibly broadcast
@@ -100,46 +136,127 @@ def _observed(site) -> bool:
     return site["is_observed"] and not is_deterministic_site(site)
 
 
+def _reduce(t: torch.Tensor, particle_dim: int | None) -> torch.Tensor:
+    """Sum a log-density term over everything but the draw dimension: ``(S,)`` or ``(1,)``
+    (a term that does not depend on the draw), or a scalar when drawing one at a time."""
+    if particle_dim is None:
+        return t.sum()
+    n = -particle_dim
+    if t.dim() < n:
+        t = t.reshape((1,) * (n - t.dim()) + tuple(t.shape))
+    lead = t.shape[: t.dim() - n]
+    if any(size != 1 for size in lead):
+        raise AssertionError(f"a log-density term has undeclared leading dimensions {lead}")
+    t = t.reshape(t.shape[t.dim() - n :])
+    return t.sum(tuple(range(1, n))) if n > 1 else t
+
+
+def _traces(model, guide, args, kwargs, num_samples: int | None, nesting: int):
+    """Guide and model traces of one pass (vectorized over ``num_samples`` draws in an outer
+    plate, or one draw when ``None``), every subsampled plate full and every enumerated model
+    site enumerated. Returns the traces, the made-full plates and the draw plate's dim."""
+    particle_dim = None if num_samples is None else -(nesting + 1)
+    first_enum = -(nesting + 1) if particle_dim is None else particle_dim - 1
+
+    def vectorize(fn):
+        if num_samples is None:
+            return fn
+
+        def _fn(*a, **k):
+            with pyro.plate(_DRAWS, num_samples, dim=particle_dim):
+                return fn(*a, **k)
+
+        return _fn
+
+    with full_plates() as made_full:
+        try:
+            guide_trace = poutine.trace(vectorize(guide)).get_trace(*args, **kwargs)
+            replayed = poutine.replay(vectorize(model), trace=guide_trace)
+            model_trace = poutine.trace(enumerate_model(replayed, first_enum)).get_trace(
+                *args, **kwargs
+            )
+        except (RuntimeError, ValueError, IndexError, TypeError, AssertionError) as e:
+            if made_full and not isinstance(e, EnumerationError):
+                raise full_data_error(made_full, e) from e
+            raise
+    return prune_subsample_sites(guide_trace), prune_subsample_sites(model_trace), made_full
+
+
+def _log_ratio_and_log_probs(guide_trace, model_trace, particle_plate):
+    """``log p(x, z) - log q(z)`` per draw (enumerated sites summed out), and the unscaled
+    pointwise ``log p(x_i | z)`` of each observed site (or the reason it has none)."""
+    msites = dict(_sample_sites(model_trace))
+    mlp = {n: s["fn"].log_prob(s["value"]) for n, s in msites.items()}
+    terms, pointwise, enumerated = marginal_terms(msites, mlp, particle_plate)
+    particle_dim = None
+    if particle_plate is not None:
+        particle_dim = next(
+            f.dim for s in msites.values() for f in s["cond_indep_stack"]
+            if f.name == particle_plate
+        )  # fmt: skip
+    log_w = sum(_reduce(t, particle_dim) for t in terms)
+    for _, s in _sample_sites(guide_trace):
+        lq = scale_and_mask(s["fn"].log_prob(s["value"]), s["scale"], s["mask"])
+        log_w = log_w - _reduce(lq, particle_dim)
+    log_probs = {}
+    for n, s in msites.items():
+        if _observed(s):
+            log_probs[n] = pointwise.get(n, mlp[n])
+    return log_w, log_probs, enumerated
+
+
+def _pointwise(t, num_samples, plain_shape, site):
+    if isinstance(t, str):
+        return PointwiseUnavailable(site, t)
+    return _per_draw(t, num_samples, plain_shape)
+
+
 def _vectorized(model, guide, args, kwargs, num_samples, nesting, base) -> ImportanceDraws:
-    log_w, model_trace, _ = vectorized_importance_weights(
-        model, guide, *args, num_samples=num_samples, max_plate_nesting=nesting, **kwargs
-    )
+    guide_trace, model_trace, made_full = _traces(model, guide, args, kwargs, num_samples,
+                                                  nesting)  # fmt: skip
+    log_w, lps, enumerated = _log_ratio_and_log_probs(guide_trace, model_trace, _DRAWS)
     values, log_probs, layout = {}, {}, {}
     for name, site in _sample_sites(model_trace):
-        if name not in base.nodes:
+        if name not in base.nodes or name in enumerated:
             continue
         plain = base.nodes[name]
         if not _observed(site):
             values[name] = _per_draw(site["value"], num_samples, plain["value"].shape)
             layout[name] = site["value"].detach()
         else:
-            log_p = site["fn"].log_prob(site["value"])
-            log_probs[name] = _per_draw(log_p, num_samples, plain["fn"].batch_shape)
-    log_w = log_w.detach().reshape(num_samples)
-    return ImportanceDraws(log_w, values, log_probs, base, True, layout)
+            log_probs[name] = _pointwise(lps[name], num_samples, plain["fn"].batch_shape, name)
+    log_w = log_w.detach().expand(num_samples).clone()
+    return ImportanceDraws(log_w, values, log_probs, base, True, layout, made_full, enumerated)
 
 
 def _sequential(model, guide, args, kwargs, num_samples, base, progress) -> ImportanceDraws:
     from tqdm.auto import tqdm
 
-    log_w, values, log_probs = [], {}, {}
+    nesting = plate_depth(base)
+    log_w, values, log_probs, made_full, enumerated = [], {}, {}, {}, set()
     for _ in tqdm(range(num_samples), desc="guide draws, one at a time", disable=not progress,
                   leave=False):  # fmt: skip
-        guide_trace = poutine.trace(guide).get_trace(*args, **kwargs)
-        replayed = poutine.replay(model, trace=guide_trace)
-        model_trace = poutine.trace(replayed).get_trace(*args, **kwargs)
-        log_w.append(model_trace.log_prob_sum().detach() - guide_trace.log_prob_sum().detach())
-        model_trace = prune_subsample_sites(model_trace)
+        guide_trace, model_trace, made_full = _traces(model, guide, args, kwargs, None, nesting)
+        lw, lps, enumerated = _log_ratio_and_log_probs(guide_trace, model_trace, None)
+        log_w.append(lw.detach())
         for name, site in _sample_sites(model_trace):
-            if name not in base.nodes:
+            if name not in base.nodes or name in enumerated:
                 continue
             if not _observed(site):
                 values.setdefault(name, []).append(site["value"].detach())
             else:
-                log_probs.setdefault(name, []).append(site["fn"].log_prob(site["value"]).detach())
+                lp = lps[name]
+                if not isinstance(lp, str):
+                    shape = base.nodes[name]["fn"].batch_shape
+                    lp = _per_draw(lp, 1, shape)[0]
+                log_probs.setdefault(name, []).append(lp)
     stack = {k: torch.stack(v) for k, v in values.items()}
-    lp = {k: torch.stack(v) for k, v in log_probs.items()}
-    return ImportanceDraws(torch.stack(log_w).reshape(num_samples), stack, lp, base, False)
+    lp = {
+        k: PointwiseUnavailable(k, v[0]) if isinstance(v[0], str) else torch.stack(v)
+        for k, v in log_probs.items()
+    }
+    return ImportanceDraws(torch.stack(log_w).reshape(num_samples), stack, lp, base, False,
+                           {}, made_full, enumerated)  # fmt: skip
 
 
 @torch.no_grad()

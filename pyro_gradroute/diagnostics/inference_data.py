@@ -32,6 +32,7 @@ from pyro.poutine.util import prune_subsample_sites
 from .._compat import is_deterministic_site
 from ._arviz import from_dict
 from .draws import ImportanceDraws, importance_draws
+from .full_data import full_plates
 from .plates import plate_coords, site_dims
 
 
@@ -70,7 +71,8 @@ def _posterior_predictive(model, draws: ImportanceDraws, observed, args, kwargs)
         return_sites=list(observed),
         parallel=draws.vectorized,
     )
-    out = predictive(*args, **kwargs)
+    with full_plates():  # the same points as the log-likelihood and observed_data
+        out = predictive(*args, **kwargs)
     base = draws.base_trace.nodes
     return {k: draws.per_draw(out[k], base[k]["value"].shape) for k in observed}
 
@@ -146,6 +148,7 @@ def to_inference_data(
     )
     base = draws.base_trace
     latent, observed = latent_and_observed(base)
+    latent = [k for k in latent if k not in draws.enumerated]
     groups: dict[str, dict] = {
         "posterior": {k: _numpy_draws(draws.site_draws(k)) for k in latent},
         "log_likelihood": {k: _numpy_draws(draws.pointwise_log_prob(k)) for k in observed},
@@ -161,4 +164,22 @@ def to_inference_data(
     all_dims.update({k: list(v) for k, v in (dims or {}).items()})
     all_coords: dict[str, Sequence] = dict(plate_coords(base))
     all_coords.update(coords or {})
-    return from_dict(groups, coords=all_coords, dims=all_dims)
+    idata = from_dict(groups, coords=all_coords, dims=all_dims)
+    attrs = _provenance(draws)
+    for group in ("log_likelihood", "sample_stats"):
+        if group in idata.groups():
+            idata[group].attrs.update(attrs)
+    return idata
+
+
+def _provenance(draws: ImportanceDraws) -> dict[str, str]:
+    """Which points and sites the log-likelihood and the log-ratios are computed on."""
+    attrs = {}
+    if draws.full_plates:
+        attrs["subsampled_plates_evaluated_in_full"] = ", ".join(
+            f"{name}: all {size} points (the model subsamples {used})"
+            for name, (used, size) in draws.full_plates.items()
+        )
+    if draws.enumerated:
+        attrs["enumerated_sites_summed_out"] = ", ".join(sorted(draws.enumerated))
+    return attrs

@@ -11,12 +11,24 @@ import pyro.poutine as poutine
 from pyro.poutine.util import prune_subsample_sites
 
 from .._compat import is_deterministic_site
+from .full_data import full_data_error, full_plates
 
 
 def trace_model(model, args: tuple, kwargs: dict):
-    """One plain trace of ``model(*args, **kwargs)``, without recording into the param store."""
-    with poutine.block(hide_types=["param"]):
-        return prune_subsample_sites(poutine.trace(model).get_trace(*args, **kwargs))
+    """One plain trace of ``model(*args, **kwargs)``, without recording into the param store,
+    with every subsampled plate at its full size (:func:`.full_data.full_plates`).
+
+    :raises FullDataError: if the model fails with its subsampled plates made full."""
+    with full_plates() as made_full, poutine.block(hide_types=["param"]):
+        try:
+            trace = prune_subsample_sites(poutine.trace(model).get_trace(*args, **kwargs))
+            if made_full:  # observations that are only the minibatch fail here, not later
+                trace.compute_log_prob()
+            return trace
+        except (RuntimeError, ValueError, IndexError, TypeError, AssertionError) as e:
+            if made_full:
+                raise full_data_error(made_full, e) from e
+            raise
 
 
 def max_plate_nesting(trace) -> int:
