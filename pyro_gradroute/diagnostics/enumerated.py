@@ -21,6 +21,24 @@ different scales, and a child outside one of its enumerated parent's plates. The
 log-likelihood is refused (only ``log_likelihood``; the ratio and PSIS still work) where it does
 not factor per point: a child in plates the enumerated site is not in, or an enumerated site
 with several children (the points' joint density is then not one site's).
+
+Example (a two-component mixture with fixed means; the marginal written by hand)::
+
+    >>> import torch, pyro, pyro.distributions as dist
+    >>> from pyro_gradroute.diagnostics.draws import importance_draws
+    >>> w = torch.tensor([0.3, 0.7])
+    >>> def model(x):
+    ...     with pyro.plate("data", len(x)):
+    ...         k = pyro.sample("k", dist.Categorical(w), infer={"enumerate": "parallel"})
+    ...         pyro.sample("x", dist.Normal(2.0 * k - 1.0, 1.0), obs=x)
+    >>> x = torch.tensor([-1.0, 0.5, 2.0])
+    >>> d = importance_draws(model, lambda x: None, x, num_samples=2)
+    >>> per_k = w.log() + dist.Normal(torch.tensor([-1.0, 1.0]), 1.0).log_prob(x[:, None])
+    >>> exact = per_k.logsumexp(-1)  # log p(x_i), k summed out
+    >>> torch.allclose(d.pointwise_log_prob("x")[0], exact)
+    True
+    >>> torch.allclose(d.log_ratios, exact.sum()), d.enumerated
+    (True, {'k'})
 """
 
 from __future__ import annotations

@@ -16,6 +16,25 @@ Groups (each with ``chain = 1`` and ``draw = num_samples``):
 Dimensions inside a ``pyro.plate`` are named after the plate, with coordinates ``0..size-1``;
 others are named ``"{site}_dim_{k}"``. ``pyro.factor`` sites count in the log-ratio but are not
 observations, so they have no log-likelihood entry.
+
+**Subsampled plates** (``pyro.plate(name, N, subsample_size=b)`` or ``subsample=idx``) are
+evaluated at their full size ``N``, in the model, the guide and the predictive
+(:mod:`~pyro_gradroute.diagnostics.full_data`): ``observed_data``, ``log_likelihood`` and
+``posterior_predictive`` cover all ``N`` points, and ``log_importance_ratio`` is the full-data
+ratio, so PSIS and ``az.loo`` see one consistent set. The ``log_likelihood`` and
+``sample_stats`` groups' attribute ``subsampled_plates_evaluated_in_full`` names those plates.
+A model whose observations are only the minibatch (``obs=batch``, not ``data[ind]``) cannot
+reach the other points and raises :class:`~pyro_gradroute.diagnostics.full_data.FullDataError`
+naming the plate.
+
+**Discrete sites enumerated in the model** (``infer={"enumerate": "parallel"}``, not in the
+guide) are summed out (:mod:`~pyro_gradroute.diagnostics.enumerated`): ``log_likelihood`` is
+:math:`\log p(x_i \mid z) = \operatorname{logsumexp}_k [\log p(k_i) + \log p(x_i \mid k_i, z)]`,
+the log-ratio is :math:`\log \sum_k p(x, z, k) - \log q(z)`, the enumerated sites have no
+``posterior`` entry (attribute ``enumerated_sites_summed_out``), and ``posterior_predictive``
+draws them from their prior (new data from the marginal model). Nested enumeration, and a
+pointwise log-likelihood that does not factor over points, raise
+:class:`~pyro_gradroute.diagnostics.enumerated.EnumerationError` naming the site.
 """
 
 from __future__ import annotations
