@@ -176,6 +176,17 @@ class _ControlVariate:
                 out[name] = b
         return out
 
+    def uniform(self, key: str) -> float | None:
+        """``0.0`` / ``1.0`` if the next step's ``b`` is that value for every element of ``key``."""
+        st = self.state.get(key)
+        if st is None or self.fixed_weight is not None or st["n"] <= self.warmup + self._FRESH:
+            return None  # not yet settled: every step measures
+        b = self.weight(key, st["scc"])
+        for v in (0.0, 1.0):
+            if bool((b == v).all()):
+                return v
+        return None
+
     # -- all of a step's parameters as one vector: one fit and one update per step ------
     _SEP = "\x1f"
 
@@ -350,6 +361,8 @@ class _AdaptiveMixin:
     ) -> None:
         self._cv = _ControlVariate(decay, clip, warmup, center, confidence, fixed_weight)
         self._distributed = distributed
+        self._key: str | None = None  # the joint state of the last measured step's parameters
+        self._unmeasured = 0
         self._collect: list | None = None  # per-particle stash, only inside loss_and_grads
 
     # -- public state ---------------------------------------------------------------
@@ -376,6 +389,7 @@ class _AdaptiveMixin:
         """Forget the moments (the next step is ``Trace_ELBO``'s / IWAE's, ``b = 1``)."""
         self._cv.state.clear()
         self._cv.layouts.clear()
+        self._key, self._unmeasured = None, 0
 
     # -- the step -------------------------------------------------------------------
     _cv_first = True  # whether the control variate's pass runs before the base backward
@@ -430,6 +444,7 @@ class _AdaptiveMixin:
         g_path = {p: (p.grad if p.grad is not None else torch.zeros_like(p)) for p in order}
         # this step's weights come from earlier steps only
         keys = [names[p] for p in order]
+        self._key = self._cv._SEP.join(keys) if keys else None
         weights = dict(zip(order, self._cv.weight_many(keys, order))) if order else {}
         for p in order:
             b = weights[p]
@@ -764,7 +779,10 @@ class TraceAdaptiveSTL_ELBO(_AdaptiveMixin, TraceSTL_ELBO):
     for an amortized guide, one backward of the encoder), plus seven buffers (five without
     ``center``) of each guide parameter's size, kept as one joint state for the step's
     parameters: one fit and one update per step, the fit recomputed every 4 steps after the
-    first 20 past warm-up.
+    first 20 past warm-up. Once settled (after those 20), while every weight is exactly 0 or
+    exactly 1, three steps in four take STL's or ``Trace_ELBO``'s gradient directly (one
+    backward, no moments; the choice comes from earlier steps, so the step is unbiased) and
+    the fourth measures both parts.
 
     **Sites.** Sites without a score part (``Delta``, non-reparameterized sites,
     ``infer={"stl": False}``, flows that cannot be split, ``Rejector``-like families with
@@ -838,6 +856,29 @@ class TraceAdaptiveSTL_ELBO(_AdaptiveMixin, TraceSTL_ELBO):
     ):
         super().__init__(num_particles, max_plate_nesting, *args, **kwargs)
         self._init_cv(decay, clip, warmup, center, distributed, confidence, fixed_weight)
+
+    #: while every weight sits at one endpoint, the parts are measured on one step in this many
+    _MEASURE_EVERY = 4
+
+    def loss_and_grads(self, model, guide, *args, **kwargs) -> float:
+        """As :meth:`_AdaptiveMixin.loss_and_grads`; while every weight is exactly 0 (STL) or 1
+        (``Trace_ELBO``), three steps in four take that estimator's gradient directly (one
+        backward, no moments), chosen from earlier steps only, so every step stays unbiased."""
+        end = self._cv.uniform(self._key) if self._key is not None else None
+        self._unmeasured = self._unmeasured + 1 if end is not None else 0
+        if (
+            end is not None
+            and self._unmeasured % self._MEASURE_EVERY
+            and _world(self._distributed) == 1
+        ):
+            from .elbo import RoutedELBO
+
+            self._policy.ordinary = end == 1.0
+            try:
+                return RoutedELBO.loss_and_grads(self, model, guide, *args, **kwargs)
+            finally:
+                self._policy.ordinary = False
+        return super().loss_and_grads(model, guide, *args, **kwargs)
 
     def _particle_terms(self, model_trace, guide_trace, blocks=None) -> tuple[float, Terms]:
         elbo, terms = super()._particle_terms(model_trace, guide_trace, blocks)

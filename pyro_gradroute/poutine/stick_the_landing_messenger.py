@@ -87,8 +87,11 @@ class STLPolicy:
         """Count one step (a gradient evaluation)."""
         self.steps += 1
 
+    #: set by an estimator for a step that takes the ordinary gradient everywhere
+    ordinary = False
+
     def uses_pathwise(self, site) -> bool:
-        return uses_pathwise(site) and self.active
+        return uses_pathwise(site) and self.active and not self.ordinary
 
     def fallback(self, rec, error) -> bool:
         if rec.name not in self._warned:

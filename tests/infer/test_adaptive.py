@@ -264,6 +264,7 @@ def test_frozen_weights_mean_gradient_equals_pyro_trace_elbo_paired(frozen):
         fixed = {k: 3 * torch.randn(p.shape, generator=g) - 1 for k, p in leaves()}
         elbo._cv.weight = lambda name, like: fixed[name].to(like)
         elbo._cv.weight_many = lambda names, likes: [fixed[n].to(t) for n, t in zip(names, likes)]
+        elbo._cv.uniform = lambda key: None  # frozen, not at an endpoint: every step measures
     else:
         elbo._cv.fixed_weight = float(frozen)
     ref = PyroTrace_ELBO(max_plate_nesting=1)
@@ -577,3 +578,29 @@ def test_distributed_weights_identical_on_every_rank(tmp_path):
         assert (r0["b"][k] != 0).any()
     for k in r0["params"]:
         torch.testing.assert_close(r0["params"][k], r1["params"][k], rtol=0, atol=0)
+
+
+def test_settled_at_an_endpoint_measures_one_step_in_four():
+    """Every weight exactly 0: three steps in four are TraceSTL_ELBO's gradient on the same seed."""
+    gm = GaussianModel(D=2, n=5, prior_cov=torch.eye(2), seed=1)
+    mean, cov = gm.posterior()
+
+    def guide():
+        loc = pyro.param("loc", mean.clone() + 0.3)
+        scale = pyro.param("scale", cov.diagonal().sqrt(), constraint=constraints.positive)
+        pyro.sample("z", dist.Normal(loc, scale).to_event(1))
+
+    elbo = TraceAdaptiveSTL_ELBO()
+    elbo._cv.weight_many = lambda names, likes: [torch.zeros_like(t) for t in likes]
+    gradient_draws(elbo, gm.model, guide, 40)  # past warm-up and the fresh phase
+    st = next(iter(elbo._cv.state.values()))
+    elbo._cv.weight = lambda name, like: torch.zeros_like(like)  # b = 0 everywhere: settled
+    n0, measured = st["n"], 0
+    for seed in range(8):
+        before = st["n"]
+        ours = grads_on_seed(elbo, gm.model, guide, seed)
+        measured += st["n"] - before
+        ref = grads_on_seed(TraceSTL_ELBO(), gm.model, guide, seed)
+        for k in ref:
+            torch.testing.assert_close(ours[k], ref[k])
+    assert measured == 2 and st["n"] == n0 + 2  # one step in four updates the moments
