@@ -324,24 +324,27 @@ def _reached(tensor: torch.Tensor, candidates: Sequence[torch.Tensor]) -> list[i
 
     The search stops at candidate nodes (it does not look below them).
     """
-    root = tensor.grad_fn
-    if root is None or not candidates:
+    if tensor.grad_fn is None or not candidates:
         return []
-    targets = {}
-    for i, c in enumerate(candidates):
-        node = c.grad_fn
-        if node is not None:
-            targets[node] = i
+    targets = {c.grad_fn: i for i, c in enumerate(candidates) if c.grad_fn is not None}
+    return reached_nodes([tensor], targets)
+
+
+def reached_nodes(tensors: Sequence[torch.Tensor], targets: dict) -> list[int]:
+    """``targets[node]`` (sorted) of the target autograd nodes the tensors' graphs reach.
+
+    One walk for all ``tensors``; it stops at target nodes (it does not look below them).
+    """
     if not targets:
         return []
-    hit = []
-    seen = {root}
-    stack = [root]
+    hit: set[int] = set()
+    stack = [t.grad_fn for t in tensors if t.grad_fn is not None]
+    seen = set(stack)
     while stack:
         node = stack.pop()
         i = targets.get(node)
         if i is not None:
-            hit.append(i)
+            hit.add(i)
             continue
         for f, _ in node.next_functions:
             if f is not None and f not in seen:

@@ -35,6 +35,7 @@ from ..distributions.split import (
     SplitNotSupported,
     _above,
     delta_base,
+    reached_nodes,
     reaches_leaf_directly,
     split_score_parts,
 )
@@ -68,22 +69,7 @@ def frontier(tensors: list[torch.Tensor], earlier: dict) -> list[int]:
         >>> frontier([loc], {z0.grad_fn: 0, z1.grad_fn: 1})  # loc reads z1 (and z0 only through it)
         [1]
     """
-    if not earlier:
-        return []
-    hit: set[int] = set()
-    stack = [t.grad_fn for t in tensors if t.grad_fn is not None]
-    seen = set(stack)
-    while stack:
-        node = stack.pop()
-        i = earlier.get(node)
-        if i is not None:
-            hit.add(i)
-            continue
-        for f, _ in node.next_functions:
-            if f is not None and f not in seen:
-                seen.add(f)
-                stack.append(f)
-    return sorted(hit)
+    return reached_nodes(tensors, earlier)
 
 
 class NeedsGeneralSplit(Exception):
