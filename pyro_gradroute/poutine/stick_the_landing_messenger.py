@@ -149,6 +149,7 @@ def _allowed_elbos() -> tuple:
 
 
 _GRADIENT_METHODS = ("loss_and_grads", "differentiable_loss", "_differentiable_loss_particle")
+_VALID: dict[type, bool] = {}  # estimator class -> whether STL is valid in it
 
 
 def _valid_in(cls) -> bool:
@@ -173,7 +174,13 @@ def check_elbo(elbo) -> None:
     class), and subclasses of them that do not redefine ``loss_and_grads``,
     ``differentiable_loss`` or ``_differentiable_loss_particle``.
     """
-    if elbo is None or _valid_in(type(elbo)):
+    if elbo is None:
+        return
+    cls = type(elbo)
+    ok = _VALID.get(cls)
+    if ok is None:
+        ok = _VALID[cls] = _valid_in(cls)
+    if ok:
         return
     raise ValueError(
         f"stick_the_landing cannot be used with {type(elbo).__name__}: sticking the landing "
