@@ -328,6 +328,7 @@ class StickTheLandingMessenger(SplitMessenger):
         self._fast = False  # the first run takes the general split and finds what the guide needs
         self._run = _Run()
         self._warned = False
+        self._drawn: dict[int, weakref.ref] = {}  # id -> sample this handler drew
 
     def _new_batch(self) -> SplitBatch:
         p = self._policy
@@ -366,9 +367,11 @@ class StickTheLandingMessenger(SplitMessenger):
                 and torch.is_tensor(value)
                 and value.requires_grad
                 and self._policy.uses_pathwise(msg)
-                and not self.batch.drew(value)
             ):
-                raise _not_drawn(msg["name"])
+                if self.batch.drew(value):
+                    self._remember(value)
+                elif not self._drew_before(value):
+                    raise _not_drawn(msg["name"])
             return super()._pyro_post_sample(msg)
         fn = _split_of(msg["fn"])
         if not isinstance(fn, PathwiseDistribution) or fn._run is not self._run:
@@ -378,7 +381,11 @@ class StickTheLandingMessenger(SplitMessenger):
             msg["fn"] = msg["fn"].base_dist if msg["fn"] is fn else msg["fn"]
             self._run.add(value)
             return  # the ordinary parts (score-function sites keep Pyro's treatment)
-        if value is not fn._value:
+        if value is fn._value:
+            self._remember(value)
+        elif self._drew_before(value):  # replayed from an earlier run (sequential enumeration)
+            fn._value = value
+        else:
             raise _not_drawn(msg["name"])
         base, name = fn.base_dist, msg["name"]
         try:
@@ -391,6 +398,22 @@ class StickTheLandingMessenger(SplitMessenger):
         fn._parts = parts
         self._run.changed = self._run.changed or delta_base(base) is None
         self._run.add(value)
+
+    def _remember(self, value: torch.Tensor) -> None:
+        """Keep (weakly) a sample this handler drew: a later run may replay it.
+
+        Pyro's sequential enumeration (``poutine.queue``) runs the guide several times per
+        step, replaying the samples drawn before the enumerated site.
+        """
+        drawn = self._drawn
+        if len(drawn) > 4096:  # forget the samples that are gone
+            for k in [k for k, r in drawn.items() if r() is None]:
+                del drawn[k]
+        drawn[id(value)] = weakref.ref(value)
+
+    def _drew_before(self, value) -> bool:
+        ref = self._drawn.get(id(value))
+        return ref is not None and ref() is value
 
     def _not_prepared(self, name: str) -> None:
         self._fast = False  # the guide changed: the next run takes the general split
