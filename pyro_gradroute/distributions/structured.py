@@ -312,7 +312,10 @@ def _autogaussian(g, records: dict) -> dict:
     for name in g._dense_shapes:
         if name not in x_hat:  # an observed site's block (its values are the data)
             x_hat[name] = x[name].detach()
-    flat_hat = g._dense_flatten(x_hat)
+    # flattened as the auxiliary draw is laid out (Pyro's _dense_flatten infers each block's
+    # sample shape from its own shape, which differs between blocks under vectorized particles)
+    sample_shape = aux.raw.shape[:-1]
+    flat_hat = torch.cat([x_hat[d].reshape(sample_shape + (-1,)) for d in g._dense_shapes], -1)
     _check_close(aux_name, "auxiliary draw", flat_hat, aux.raw, 1.0 + aux.raw.abs().max().item())
     stopped = MultivariateNormal(fn.loc.detach(), scale_tril=fn.scale_tril.detach())
     out[aux_name] = (_live(aux.parts[0].log_prob, stopped.log_prob(flat_hat)), False)
