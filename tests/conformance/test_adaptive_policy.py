@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pyro_gradroute.infer import TraceAdaptiveSTL_ELBO
+from pyro_gradroute.infer import TraceAdaptiveSTL_ELBO, TraceSTL_ELBO
 
 from .cases import CASES
 from .checks import (
@@ -79,7 +79,15 @@ def check_frozen(case):
                 try:
                     stl = stl_reference_grad(c, "STL", seed, c.model, c.guide)
                 except NoSameDrawReference:
-                    pytest.skip(f"{case.name}: no same-draw STL reference for this guide")
+                    # the package's TraceSTL_ELBO on the same seed, itself checked against a
+                    # hand-written surrogate for these guides (tests/infer/test_structured_guides.py)
+                    P = case.particles
+                    stl_elbo = TraceSTL_ELBO(
+                        num_particles=P,
+                        vectorize_particles=P > 1,
+                        max_plate_nesting=case.max_plate_nesting,
+                    )
+                    stl = _ours(c, stl_elbo, seed)
                 ref = (1 - b) * stl + b * trace
                 torch.testing.assert_close(
                     g,
