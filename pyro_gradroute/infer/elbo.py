@@ -24,6 +24,9 @@ from .traces import get_split_importance_trace
 
 Terms = dict[Hashable, torch.Tensor]
 
+#: the key under which ``_particle_terms`` may return a per-particle record that is not a term
+EXTRA = ("__extra__",)
+
 
 def add_term(terms: Terms, key: Hashable, value) -> None:
     """Add ``value`` to ``terms[key]`` (creating it), skipping non-differentiable values."""
@@ -102,6 +105,7 @@ class RoutedELBO(ELBO):
     def _differentiable_loss_particle(self, model_trace, guide_trace):
         """Pyro's hook: ``(loss, surrogate_loss)`` of one trace pair (no routes)."""
         elbo, terms = self._particle_terms(model_trace, guide_trace, {})
+        terms.pop(EXTRA, None)
         surrogate = sum(terms.values()) if terms else 0.0
         return -elbo, -surrogate
 
@@ -117,6 +121,14 @@ class RoutedELBO(ELBO):
         ``trainable``: whether the traces hold a ``param`` site (Pyro skips the
         backward pass otherwise).
         """
+        for elbo, terms, blocks, trainable, _ in self._iter_particle_items(
+            model, guide, args, kwargs
+        ):
+            yield elbo, terms, blocks, trainable
+
+    def _iter_particle_items(self, model, guide, args, kwargs):
+        """:meth:`_iter_particles` with a fifth element: what ``_particle_terms`` returned
+        under the key :data:`EXTRA` (an estimator's per-particle record, passed as a value)."""
         n = self._particle_divisor()
         hook = self._hook_overridden()
         for model_trace, guide_trace in self._get_traces(model, guide, args, kwargs):
@@ -139,10 +151,11 @@ class RoutedELBO(ELBO):
             else:
                 elbo, terms = self._particle_terms(model_trace, guide_trace, blocks)
                 blocks = _joint_blocks(terms, blocks)
+            extra = terms.pop(EXTRA, None)
             terms = {k: v for k, v in terms.items() if torch.is_tensor(v) and v.requires_grad}
             if n > 1:
                 terms = {k: v / n for k, v in terms.items()}
-            yield elbo / n, terms, blocks, trainable
+            yield elbo / n, terms, blocks, trainable, extra
 
     def loss(self, model, guide, *args, **kwargs) -> float:
         """Estimate of the negative ELBO (a float; no gradients)."""

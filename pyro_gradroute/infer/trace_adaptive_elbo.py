@@ -23,7 +23,7 @@ from ..distributions.split import is_delta
 from ..poutine.pathwise import latent_site
 from ..poutine.split_distribution import SplitDistribution
 from ..poutine.stick_the_landing_messenger import uses_pathwise
-from .elbo import Terms
+from .elbo import EXTRA, Terms
 from .trace_dreg_elbo import TraceDReG_ELBO
 from .trace_stl_elbo import TraceSTL_ELBO
 from .traces import scaled, site_parts
@@ -363,7 +363,6 @@ class _AdaptiveMixin:
         self._distributed = distributed
         self._key: str | None = None  # the joint state of the last measured step's parameters
         self._unmeasured = 0
-        self._collect: list | None = None  # per-particle stash, only inside loss_and_grads
 
     # -- public state ---------------------------------------------------------------
     @property
@@ -407,38 +406,35 @@ class _AdaptiveMixin:
         loss = 0.0
         saved: dict[torch.Tensor, torch.Tensor | None] = {}  # param -> its .grad before this step
         g_cv: dict[torch.Tensor, torch.Tensor] = {}
-        self._collect = []
-        try:
-            for elbo, terms, blocks, trainable in self._iter_particles(model, guide, args, kwargs):
-                loss -= elbo
-                item = self._collect.pop() if self._collect else None
-                if not (terms and trainable) or item is None:
-                    continue
-                params = item["params"]
-                for p in params:  # g_path is what the backward below accumulates from None
-                    if p not in saved:
-                        saved[p] = p.grad
-                        p.grad = None
-                self._before_backward(item, blocks)
-                if self._cv_first:  # the small pass first, then the base backward frees the graph
-                    cv = self._cv_grads(item, params, blocks, retain=True)
-                retain = True if not self._cv_first else self.retain_graph
-                if not blocks:
-                    (-sum(terms.values())).backward(retain_graph=retain)
-                else:
-                    routing.backward(
-                        {k: -v for k, v in terms.items()},
-                        block=blocks,
-                        retain_graph=retain,
-                        strict=False,
-                    )
-                if not self._cv_first:
-                    cv = self._cv_grads(item, params, blocks, retain=bool(self.retain_graph))
-                for p, g in cv.items():
-                    g_cv[p] = g if p not in g_cv else g_cv[p] + g
-                del item, terms
-        finally:
-            self._collect = None
+        for elbo, terms, blocks, trainable, item in self._iter_particle_items(
+            model, guide, args, kwargs
+        ):
+            loss -= elbo
+            if not (terms and trainable) or item is None:
+                continue
+            params = item["params"]
+            for p in params:  # g_path is what the backward below accumulates from None
+                if p not in saved:
+                    saved[p] = p.grad
+                    p.grad = None
+            self._before_backward(item, blocks)
+            if self._cv_first:  # the small pass first, then the base backward frees the graph
+                cv = self._cv_grads(item, params, blocks, retain=True)
+            retain = True if not self._cv_first else self.retain_graph
+            if not blocks:
+                (-sum(terms.values())).backward(retain_graph=retain)
+            else:
+                routing.backward(
+                    {k: -v for k, v in terms.items()},
+                    block=blocks,
+                    retain_graph=retain,
+                    strict=False,
+                )
+            if not self._cv_first:
+                cv = self._cv_grads(item, params, blocks, retain=bool(self.retain_graph))
+            for p, g in cv.items():
+                g_cv[p] = g if p not in g_cv else g_cv[p] + g
+            del item, terms
         names = {p: _param_key(p) for p in g_cv}
         order = sorted(g_cv, key=lambda p: names[p])  # the same order on every rank
         g_path = {p: (p.grad if p.grad is not None else torch.zeros_like(p)) for p in order}
@@ -482,35 +478,30 @@ class _AdaptiveMixin:
         loss, surrogate = 0.0, None
         g_path: dict[torch.Tensor, torch.Tensor] = {}
         g_cv: dict[torch.Tensor, torch.Tensor] = {}
-        self._collect = []
-        try:
-            for elbo, terms, blocks, trainable in self._iter_particles(model, guide, args, kwargs):
-                loss -= elbo
-                item = self._collect.pop() if self._collect else None
-                gated = {
-                    k: routing.gate(v, blocks[k]) if k in blocks else v for k, v in terms.items()
-                }
-                if not gated:
-                    continue
-                part = -sum(gated.values())
-                surrogate = part if surrogate is None else surrogate + part
-                if not trainable or item is None:
-                    continue
-                params = item["params"]
-                self._before_backward(item, blocks)
-                if self._cv_first:
-                    cv = self._cv_grads(item, params, blocks, retain=True)
-                raw = {k: -v for k, v in terms.items()}
-                gs = routing.grad(raw, params, block=blocks, retain_graph=True, strict=False)
-                if not self._cv_first:
-                    cv = self._cv_grads(item, params, blocks, retain=True)
-                for p, g in zip(params, gs):
-                    g_path[p] = g if p not in g_path else g_path[p] + g
-                for p, g in cv.items():
-                    g_cv[p] = g if p not in g_cv else g_cv[p] + g
-                del item, terms, gated
-        finally:
-            self._collect = None
+        for elbo, terms, blocks, trainable, item in self._iter_particle_items(
+            model, guide, args, kwargs
+        ):
+            loss -= elbo
+            gated = {k: routing.gate(v, blocks[k]) if k in blocks else v for k, v in terms.items()}
+            if not gated:
+                continue
+            part = -sum(gated.values())
+            surrogate = part if surrogate is None else surrogate + part
+            if not trainable or item is None:
+                continue
+            params = item["params"]
+            self._before_backward(item, blocks)
+            if self._cv_first:
+                cv = self._cv_grads(item, params, blocks, retain=True)
+            raw = {k: -v for k, v in terms.items()}
+            gs = routing.grad(raw, params, block=blocks, retain_graph=True, strict=False)
+            if not self._cv_first:
+                cv = self._cv_grads(item, params, blocks, retain=True)
+            for p, g in zip(params, gs):
+                g_path[p] = g if p not in g_path else g_path[p] + g
+            for p, g in cv.items():
+                g_cv[p] = g if p not in g_cv else g_cv[p] + g
+            del item, terms, gated
         names = {p: _param_key(p) for p in g_cv}
         order = sorted(g_cv, key=lambda p: names[p])  # the same order on every rank
         paths = [g_path[p] if p in g_path else torch.zeros_like(p) for p in order]
@@ -882,7 +873,7 @@ class TraceAdaptiveSTL_ELBO(_AdaptiveMixin, TraceSTL_ELBO):
 
     def _particle_terms(self, model_trace, guide_trace, blocks=None) -> tuple[float, Terms]:
         elbo, terms = super()._particle_terms(model_trace, guide_trace, blocks)
-        if self._collect is not None and torch.is_grad_enabled():
+        if torch.is_grad_enabled():
             scores = []
             for name, site in guide_trace.nodes.items():
                 if site["type"] != "sample" or site["is_observed"]:
@@ -890,9 +881,7 @@ class TraceAdaptiveSTL_ELBO(_AdaptiveMixin, TraceSTL_ELBO):
                 s = _score_tensor(site)
                 if s is not None:
                     scores.append((("guide", name), s[0].sum(), s[1]))
-            self._collect.append(
-                {"params": _trace_params(model_trace, guide_trace), "scores": scores}
-            )
+            terms[EXTRA] = {"params": _trace_params(model_trace, guide_trace), "scores": scores}
         return elbo, terms
 
     def _cv_grads(self, item, params, blocks, retain: bool) -> dict:
@@ -1013,7 +1002,7 @@ class TraceAdaptiveDReG_ELBO(_AdaptiveMixin, TraceDReG_ELBO):
 
     def _particle_terms(self, model_trace, guide_trace, blocks=None) -> tuple[float, Terms]:
         elbo, terms = super()._particle_terms(model_trace, guide_trace, blocks)
-        if self._collect is None or not torch.is_grad_enabled():
+        if not torch.is_grad_enabled():
             return elbo, terms
         w, factors = self._last_factors
         self._last_factors = None
@@ -1037,14 +1026,12 @@ class TraceAdaptiveDReG_ELBO(_AdaptiveMixin, TraceDReG_ELBO):
             s = _score_tensor(site)
             if s is not None:
                 scores.append(((w * s[0]).sum(), s[1]))
-        self._collect.append(
-            {
-                "params": _trace_params(model_trace, guide_trace),
-                "seeds": seeds,
-                "paths": paths,
-                "scores": scores,
-            }
-        )
+        terms[EXTRA] = {
+            "params": _trace_params(model_trace, guide_trace),
+            "seeds": seeds,
+            "paths": paths,
+            "scores": scores,
+        }
         return elbo, terms
 
     def _before_backward(self, item, blocks) -> None:
