@@ -99,3 +99,70 @@ def place_guide(guide, post_mean, post_sd, t: float) -> None:
     with torch.no_grad():
         pyro.param("loc").unconstrained().copy_(post_mean + t * post_sd)
         pyro.param("scale").unconstrained().copy_(math.log(post_sd) + t / 2)  # unconstrained = log
+
+
+# ----------------------------------------------------------------------------- real models
+#: Pyro's ``examples/eight_schools``: treatment effects and their standard errors
+ES_Y = torch.tensor([28.0, 8.0, -3.0, 7.0, -1.0, 1.0, 18.0, 12.0])
+ES_SIGMA = torch.tensor([15.0, 10.0, 16.0, 11.0, 9.0, 11.0, 10.0, 18.0])
+
+
+def es_model(data):
+    """Pyro's ``examples/eight_schools/svi.py`` model (``data``: columns y, sigma)."""
+    import pyro
+    import pyro.distributions as dist
+
+    y, sigma = data[:, 0], data[:, 1]
+    J = len(y)
+    eta = pyro.sample("eta", dist.Normal(torch.zeros(J), torch.ones(J)).to_event(1))
+    mu = pyro.sample("mu", dist.Normal(torch.zeros(1), 10 * torch.ones(1)).to_event(1))
+    tau = pyro.sample("tau", dist.HalfCauchy(scale=25 * torch.ones(1)).to_event(1))
+    theta = mu + tau * eta
+    pyro.sample("obs", dist.Normal(theta, sigma).to_event(1), obs=y)
+
+
+def es_guide(data):
+    """Pyro's ``examples/eight_schools/svi.py`` guide (narrow ``0.1 * rand`` initial scales).
+
+    The script's ``(J, 1)`` shapes broadcast against the model's ``(J,)`` eta and sit in no
+    plate, which Pyro's validation refuses: ``(J,)`` here and ``.to_event(1)`` on every site
+    (the same density).
+    """
+    import pyro
+    import pyro.distributions as dist
+    from torch.distributions import constraints, transforms
+
+    J = len(data)
+    m_eta = pyro.param("loc_eta", lambda: torch.randn(J))
+    s_eta = pyro.param("scale_eta", lambda: 0.1 * torch.rand(J), constraint=constraints.positive)
+    m_mu = pyro.param("loc_mu", lambda: torch.randn(1))
+    s_mu = pyro.param("scale_mu", lambda: 0.1 * torch.rand(1), constraint=constraints.positive)
+    m_lt = pyro.param("loc_logtau", lambda: torch.randn(1))
+    s_lt = pyro.param("scale_logtau", lambda: 0.1 * torch.rand(1), constraint=constraints.positive)
+    pyro.sample("eta", dist.Normal(m_eta, s_eta).to_event(1))
+    pyro.sample("mu", dist.Normal(m_mu, s_mu).to_event(1))
+    log_tau = dist.Normal(m_lt, s_lt)
+    pyro.sample("tau", dist.TransformedDistribution(log_tau, transforms.ExpTransform()).to_event(1))
+
+
+def bayesian_regression(d: int):
+    """The Bayesian-regression tutorial's model: ``PyroModule[nn.Linear]`` with ``PyroSample`` priors."""
+    import pyro
+    import pyro.distributions as dist
+    from pyro.nn import PyroModule, PyroSample
+
+    class BayesianRegression(PyroModule):
+        def __init__(self):
+            super().__init__()
+            self.linear = PyroModule[torch.nn.Linear](d, 1)
+            self.linear.weight = PyroSample(dist.Normal(0.0, 1.0).expand([1, d]).to_event(2))
+            self.linear.bias = PyroSample(dist.Normal(0.0, 10.0).expand([1]).to_event(1))
+
+        def forward(self, x, y=None):
+            sigma = pyro.sample("sigma", dist.Uniform(0.0, 10.0))
+            mean = self.linear(x).squeeze(-1)
+            with pyro.plate("data", x.shape[0]):
+                pyro.sample("obs", dist.Normal(mean, sigma), obs=y)
+            return mean
+
+    return BayesianRegression()

@@ -43,12 +43,21 @@ import time
 import pyro
 import pyro.distributions as dist
 import torch
-from _common import gaussian_problem, place_guide, print_table, saved_tensor_bytes, time_interleaved
+from _common import (
+    ES_SIGMA,
+    ES_Y,
+    bayesian_regression,
+    es_guide,
+    es_model,
+    gaussian_problem,
+    place_guide,
+    print_table,
+    saved_tensor_bytes,
+    time_interleaved,
+)
 from pyro.infer import SVI, RenyiELBO
 from pyro.infer import Trace_ELBO as PyroTrace_ELBO
 from pyro.infer.autoguide import AutoDiagonalNormal, AutoNormal
-from pyro.nn import PyroModule, PyroSample
-from torch.distributions import constraints, transforms
 
 from pyro_gradroute.app.models.digits_vae import VAE, load_binarized_digits
 from pyro_gradroute.infer import (
@@ -329,53 +338,6 @@ def variance_figure(path, distances=(0.1, 0.3, 1.0, 2.0, 3.0, 5.0, 8.0), n_draws
 
 
 # ----------------------------------------------------------------------------- --training
-ES_Y = torch.tensor([28.0, 8.0, -3.0, 7.0, -1.0, 1.0, 18.0, 12.0])
-ES_SIGMA = torch.tensor([15.0, 10.0, 16.0, 11.0, 9.0, 11.0, 10.0, 18.0])
-
-
-def es_model(data):
-    """Pyro's ``examples/eight_schools/svi.py`` model."""
-    y, sigma = data[:, 0], data[:, 1]
-    J = len(y)
-    eta = pyro.sample("eta", dist.Normal(torch.zeros(J), torch.ones(J)))
-    mu = pyro.sample("mu", dist.Normal(torch.zeros(1), 10 * torch.ones(1)))
-    tau = pyro.sample("tau", dist.HalfCauchy(scale=25 * torch.ones(1)))
-    theta = mu + tau * eta
-    pyro.sample("obs", dist.Normal(theta, sigma), obs=y)
-
-
-def es_guide(data):
-    """Pyro's ``examples/eight_schools/svi.py`` guide (narrow ``0.1 * rand`` initial scales)."""
-    J = len(data)
-    m_eta = pyro.param("loc_eta", lambda: torch.randn(J))
-    s_eta = pyro.param("scale_eta", lambda: 0.1 * torch.rand(J), constraint=constraints.positive)
-    m_mu = pyro.param("loc_mu", lambda: torch.randn(1))
-    s_mu = pyro.param("scale_mu", lambda: 0.1 * torch.rand(1), constraint=constraints.positive)
-    m_lt = pyro.param("loc_logtau", lambda: torch.randn(1))
-    s_lt = pyro.param("scale_logtau", lambda: 0.1 * torch.rand(1), constraint=constraints.positive)
-    pyro.sample("eta", dist.Normal(m_eta, s_eta))
-    pyro.sample("mu", dist.Normal(m_mu, s_mu))
-    log_tau = dist.Normal(m_lt, s_lt)
-    pyro.sample("tau", dist.TransformedDistribution(log_tau, transforms.ExpTransform()))
-
-
-class BayesianRegression(PyroModule):
-    """The Bayesian-regression tutorial's model."""
-
-    def __init__(self, d: int):
-        super().__init__()
-        self.linear = PyroModule[torch.nn.Linear](d, 1)
-        self.linear.weight = PyroSample(dist.Normal(0.0, 1.0).expand([1, d]).to_event(2))
-        self.linear.bias = PyroSample(dist.Normal(0.0, 10.0).expand([1]).to_event(1))
-
-    def forward(self, x, y=None):
-        sigma = pyro.sample("sigma", dist.Uniform(0.0, 10.0))
-        mean = self.linear(x).squeeze(-1)
-        with pyro.plate("data", x.shape[0]):
-            pyro.sample("obs", dist.Normal(mean, sigma), obs=y)
-        return mean
-
-
 def _diabetes():
     from sklearn.datasets import load_diabetes
 
@@ -393,7 +355,7 @@ def training_problems():
 
     def regression():
         x, y = _diabetes()
-        model = BayesianRegression(x.shape[1])
+        model = bayesian_regression(x.shape[1])
         return model, AutoDiagonalNormal(model), (x, y), 0.03, 1000, 1
 
     def hierarchical():

@@ -68,11 +68,10 @@ from dataclasses import dataclass
 import pyro
 import pyro.distributions as dist
 import torch
+from _common import ES_SIGMA, ES_Y, bayesian_regression, es_guide, es_model
 from pyro import poutine
 from pyro.infer import SVI, RenyiELBO, Trace_ELBO, TraceEnum_ELBO, config_enumerate
 from pyro.infer.autoguide import AutoDiagonalNormal, AutoNormal
-from pyro.nn import PyroModule, PyroSample
-from torch.distributions import constraints, transforms
 
 from pyro_gradroute.infer import TraceAdaptiveSTL_ELBO, TraceDReG_ELBO, TraceSTL_ELBO
 from pyro_gradroute.poutine import stick_the_landing
@@ -95,35 +94,8 @@ class Problem:
 
 def eight_schools(seed: int) -> Problem:
     """Pyro's examples/eight_schools/svi.py (model, guide, init, lr, steps; eta's shape fixed)."""
-    J = 8
-    y = torch.tensor([28.0, 8.0, -3.0, 7.0, -1.0, 1.0, 18.0, 12.0])
-    sigma = torch.tensor([15.0, 10.0, 16.0, 11.0, 9.0, 11.0, 10.0, 18.0])
-    data = torch.stack([y, sigma], dim=1)
-
-    def model(data):
-        y, sigma = data[:, 0], data[:, 1]
-        eta = pyro.sample("eta", dist.Normal(torch.zeros(J), torch.ones(J)).to_event(1))
-        mu = pyro.sample("mu", dist.Normal(torch.zeros(1), 10 * torch.ones(1)).to_event(1))
-        tau = pyro.sample("tau", dist.HalfCauchy(scale=25 * torch.ones(1)).to_event(1))
-        theta = mu + tau * eta
-        pyro.sample("obs", dist.Normal(theta, sigma).to_event(1), obs=y)
-
-    def guide(data):
-        # the script's (J, 1) shapes broadcast against the model's (J,) eta, and its
-        # batch dims are in no plate, which Pyro's validation (on by default since 1.4)
-        # refuses: (J,) here, and .to_event(1) on every site (the same density)
-        m_eta = pyro.param("loc_eta", torch.randn(J))
-        s_eta = pyro.param("scale_eta", 0.1 * torch.rand(J), constraint=constraints.positive)
-        m_mu = pyro.param("loc_mu", torch.randn(1))
-        s_mu = pyro.param("scale_mu", 0.1 * torch.rand(1), constraint=constraints.positive)
-        m_tau = pyro.param("loc_logtau", torch.randn(1))
-        s_tau = pyro.param("scale_logtau", 0.1 * torch.rand(1), constraint=constraints.positive)
-        pyro.sample("eta", dist.Normal(m_eta, s_eta).to_event(1))
-        pyro.sample("mu", dist.Normal(m_mu, s_mu).to_event(1))
-        tau = dist.TransformedDistribution(dist.Normal(m_tau, s_tau), transforms.ExpTransform())
-        pyro.sample("tau", tau.to_event(1))
-
-    return Problem(model, guide, (data,), 1000, 0.01, vectorizes=False)
+    data = torch.stack([ES_Y, ES_SIGMA], dim=1)
+    return Problem(es_model, es_guide, (data,), 1000, 0.01, vectorizes=False)
 
 
 def _standardized(x, y, seed=0):
@@ -156,23 +128,7 @@ def regression(seed: int) -> Problem:
     d = load_diabetes()
     xtr, ytr, xte, yte = _standardized(d.data, d.target)
 
-    class BayesianRegression(PyroModule):
-        def __init__(self, in_features, out_features):
-            super().__init__()
-            self.linear = PyroModule[torch.nn.Linear](in_features, out_features)
-            self.linear.weight = PyroSample(
-                dist.Normal(0.0, 1.0).expand([out_features, in_features]).to_event(2)
-            )
-            self.linear.bias = PyroSample(dist.Normal(0.0, 10.0).expand([out_features]).to_event(1))
-
-        def forward(self, x, y=None):
-            sigma = pyro.sample("sigma", dist.Uniform(0.0, 10.0))
-            mean = self.linear(x).squeeze(-1)
-            with pyro.plate("data", x.shape[0]):
-                pyro.sample("obs", dist.Normal(mean, sigma), obs=y)
-            return mean
-
-    model = BayesianRegression(xtr.shape[1], 1)
+    model = bayesian_regression(xtr.shape[1])
     guide = AutoDiagonalNormal(model)
     return Problem(model, guide, (xtr, ytr), 1000, 0.03, vectorizes=False,
                    heldout=lambda n: _predictive_ll(model, guide, (xtr, ytr), (xte, yte), n))  # fmt: skip
