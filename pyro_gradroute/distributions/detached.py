@@ -125,6 +125,10 @@ def detached_copy(fn: Distribution, value: torch.Tensor | None = None) -> Distri
         >>> torch.allclose(g, -(z - loc).detach())
         True
     """
+    if not isinstance(fn, Distribution):
+        raise TypeError(
+            f"detached_copy expects a torch.distributions.Distribution, got {type(fn).__name__}"
+        )
     if not _plain(fn):
         return None
     new = _copy(fn)

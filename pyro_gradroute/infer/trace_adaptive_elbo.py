@@ -23,7 +23,7 @@ from ..distributions.split import is_delta
 from ..poutine.pathwise import latent_site
 from ..poutine.split_distribution import SplitDistribution
 from ..poutine.stick_the_landing_messenger import uses_pathwise
-from .elbo import EXTRA, Terms
+from .elbo import EXTRA, RoutedELBO, Terms
 from .trace_dreg_elbo import TraceDReG_ELBO
 from .trace_stl_elbo import TraceSTL_ELBO
 from .traces import scaled, site_parts
@@ -862,8 +862,6 @@ class TraceAdaptiveSTL_ELBO(_AdaptiveMixin, TraceSTL_ELBO):
             and self._unmeasured % self._MEASURE_EVERY
             and _world(self._distributed) == 1
         ):
-            from .elbo import RoutedELBO
-
             self._policy.ordinary = end == 1.0
             try:
                 return RoutedELBO.loss_and_grads(self, model, guide, *args, **kwargs)

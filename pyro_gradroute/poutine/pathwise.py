@@ -129,6 +129,11 @@ def site_pathwise(name: str, fn, value: torch.Tensor, earlier: list[torch.Tensor
     return Conditional(name, fn, value, tuple(ups))
 
 
+def independent_reads(read: set[int], earlier: list[torch.Tensor]) -> bool:
+    """Whether no sample in ``read`` (indices into ``earlier``) is computed from another one."""
+    return len(read) < 2 or _above([earlier[i] for i in sorted(read)]) is None
+
+
 def conditional_pathwise(items: list[Conditional], earlier: list[torch.Tensor]) -> list[ScoreParts]:
     """The pathwise parts of conditional sites, from one split node with no cut points.
 
@@ -137,8 +142,7 @@ def conditional_pathwise(items: list[Conditional], earlier: list[torch.Tensor]) 
     the same global sample); otherwise (chains, dense DAGs) the partials need the cut
     points of the general split, and this raises :class:`NeedsGeneralSplit`.
     """
-    read = sorted({i for it in items for i in it.upstream})
-    if len(read) > 1 and _above([earlier[i] for i in read]) is not None:
+    if not independent_reads({i for it in items for i in it.upstream}, earlier):
         raise NeedsGeneralSplit(items[0].name)
     try:
         out = split_score_parts(

@@ -11,10 +11,15 @@ from pyro.distributions import TorchDistribution
 from torch.distributions import Distribution, kl_divergence, register_kl
 
 from .._compat import calling_elbo
-from ..distributions.detached import detached_copy, param_tensors
-from ..distributions.split import _above, delta_base, reaches_leaf_directly
+from ..distributions.split import delta_base
 from .gated_distribution import GatedDistribution
-from .pathwise import Conditional, NeedsGeneralSplit, conditional_pathwise, frontier, site_pathwise
+from .pathwise import (
+    Conditional,
+    NeedsGeneralSplit,
+    conditional_pathwise,
+    independent_reads,
+    site_pathwise,
+)
 from .split_distribution import SplitBatch, SplitDistribution
 from .split_messenger import SplitMessenger, _split_of
 
@@ -472,24 +477,24 @@ def _not_drawn(name: str) -> ValueError:
 
 
 def _fast_enough(batch: SplitBatch) -> bool:
-    """Whether every STL site of a general run can take the fast path next time."""
+    """Whether every STL site of a general run can take the default path next time.
+
+    The same classification as the default path's (:func:`site_pathwise`), on the samples
+    the general run drew through its relays.
+    """
     outputs = batch.group.outputs
     nodes = {r.grad_fn: i for i, r in enumerate(outputs)}
     read: set[int] = set()
     for rec in batch.records.values():
         if not rec.stl:
             continue
-        d = delta_base(rec.fn)
-        if d is not None:
-            ld = d.log_density
-            if torch.is_tensor(ld) and ld.requires_grad and reaches_leaf_directly(ld, rec.upstream):
-                return False
-        elif hasattr(rec.raw, "_unquantize") or detached_copy(rec.fn, rec.raw) is None:
+        try:
+            parts = site_pathwise(rec.name, rec.fn, rec.raw, outputs, nodes)
+        except (NeedsGeneralSplit, ValueError, NotImplementedError):
             return False
-        else:
-            read.update(frontier(param_tensors(rec.fn), nodes))
-    # samples read by conditional sites: without cut points, none may be computed from another
-    return len(read) < 2 or _above([outputs[i] for i in sorted(read)]) is None
+        if isinstance(parts, Conditional):
+            read.update(parts.upstream)
+    return independent_reads(read, outputs)
 
 
 def stick_the_landing(

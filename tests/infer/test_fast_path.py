@@ -233,3 +233,10 @@ def test_saturated_sigmoid_loss_equals_pyros_for_other_guides(guide_cls):
         assert ours == pytest.approx(ref, rel=1e-6)
         grads = [p.unconstrained().grad for p in store.values()]
         assert all(gr is not None and torch.isfinite(gr).all() for gr in grads)
+
+
+def test_detached_copy_of_a_non_distribution_is_a_clear_error():
+    from pyro_gradroute.distributions.detached import detached_copy
+
+    with pytest.raises(TypeError, match="expects a torch.distributions.Distribution, got float"):
+        detached_copy(1.0)
