@@ -151,6 +151,11 @@ def main(argv=None) -> dict:
         print(f"  exact posterior  mean {exact[0]:.4f}  sd {exact[1]:.4f}")
         print(f"  AutoNormal fit   mean {mean:.4f}  sd {sd:.4f}{note}")
         print(f"  params identical across ranks: {identical}")
+    if torch.distributed.is_initialized():
+        # Lightning leaves the gloo group open; its threads must stop before the interpreter
+        # exits, or the C++ runtime aborts the process ("terminate called ...")
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
     return out
 
 
