@@ -52,7 +52,8 @@ class _ControlVariate:
     the residual moments' sum of weights.
     """
 
-    _KEYS = ("sp", "sc", "spc", "scc", "xxyy", "xxxy", "xxxx")
+    _KEYS = ("sp", "sc", "spp", "spc", "scc", "xxyy", "xxxy", "xxxx")
+    _CENTRED = 3  # sp, sc, spp: kept only with ``center``
 
     def __init__(
         self,
@@ -62,7 +63,14 @@ class _ControlVariate:
         center: bool = True,
         confidence: float = 2.0,
         fixed_weight: float | None = None,
+        mix_gain: float | None = 1.25,
     ):
+        if mix_gain is not None and not (math.isfinite(mix_gain) and mix_gain >= 1.0):
+            raise ValueError(
+                f"mix_gain must be a finite variance ratio >= 1 (or None: the mix measures on "
+                f"every step), got {mix_gain}"
+            )
+        self.mix_gain = None if mix_gain is None else float(mix_gain)
         if not 0.0 <= decay < 1.0:
             raise ValueError(f"decay must lie in [0, 1), got {decay}")
         if clip is not None and not clip > 0:
@@ -114,7 +122,37 @@ class _ControlVariate:
         # positive-part James-Stein: from the endpoint towards b_hat by 1 - (z se / d)^2
         shrink = (1 - zse.square() / d2.clamp_min(tiny)).clamp_min(0)
         shrink = torch.where(d2 > 0, shrink, torch.zeros_like(shrink)).nan_to_num(0.0)
-        return {"b": end + shrink * d, "b_hat": b_hat, "se": se, "endpoint": end, "n_eff": n_eff}
+        b = end + shrink * d
+        return {
+            "b": b,
+            "b_hat": b_hat,
+            "se": se,
+            "endpoint": end,
+            "n_eff": n_eff,
+            "direct": self._direct(st, b) if self.center else None,
+        }
+
+    def _direct(self, st: dict, b: torch.Tensor) -> float | None:
+        r"""The whole estimator (0: STL, 1: ``Trace_ELBO``) a direct step takes, or ``None``.
+
+        From the moments, the total variance :math:`V(b) = \sum_e \operatorname{Var}(p_e)
+        + 2 b_e \operatorname{Cov}(p_e, c_e) + b_e^2 \operatorname{Var}(c_e)` of the fitted
+        weights and of both endpoints: a direct step is worth it when the better endpoint's
+        variance is within ``mix_gain`` of the mix's (the mix's step costs about that much
+        more, so it would not buy more progress per second of CPU).
+        """
+        if self.mix_gain is None:
+            return None
+        w1 = st["w1"]
+        mp, mc = st["sp"] / w1, st["sc"] / w1
+        var_p = (st["spp"] / w1 - mp.square()).clamp_min(0)
+        cov = st["spc"] / w1 - mp * mc
+        var_c = (st["scc"] / w1 - mc.square()).clamp_min(0)
+        v_mix = float((var_p + b * (2 * cov + b * var_c)).sum())
+        v0 = float(var_p.sum())
+        v1 = float((var_p + 2 * cov + var_c).sum())
+        best, v_end = (0.0, v0) if v0 <= v1 else (1.0, v1)
+        return best if v_end <= self.mix_gain * max(v_mix, 0.0) else None
 
     def _ready(self, st: dict | None) -> bool:
         return st is not None and st["n"] > self.warmup and st["qw"] > 0
@@ -177,7 +215,12 @@ class _ControlVariate:
         return out
 
     def uniform(self, key: str) -> float | None:
-        """``0.0`` / ``1.0`` if the next step's ``b`` is that value for every element of ``key``."""
+        """``0.0`` / ``1.0``: the whole estimator the next step may take directly (see ``direct``).
+
+        That value when every element's ``b`` is exactly it, or when the better endpoint's
+        predicted total variance is within ``mix_gain`` of the fitted weights' (``center``
+        only); ``None`` while not settled or when the mix pays for its cost.
+        """
         st = self.state.get(key)
         if st is None or self.fixed_weight is not None or st["n"] <= self.warmup + self._FRESH:
             return None  # not yet settled: every step measures
@@ -185,7 +228,7 @@ class _ControlVariate:
         for v in (0.0, 1.0):
             if bool((b == v).all()):
                 return v
-        return None
+        return self._cached_fit(st, st["scc"]).get("direct")
 
     # -- all of a step's parameters as one vector: one fit and one update per step ------
     _SEP = "\x1f"
@@ -207,12 +250,20 @@ class _ControlVariate:
         """:meth:`weight` of several parameters at once, kept as one joint state (elementwise the same rule).
 
         The joint state belongs to this set of parameters: a step with another set starts
-        a new one (at ``Trace_ELBO``, ``b = 1``).
+        a new one (at ``Trace_ELBO``, ``b = 1``). Between two fits the same views of the
+        fitted vector are returned (no per-step concatenation).
         """
         key = self._key(names, likes)
+        st = self.state.get(key)
+        like = likes[0]
+        if self.fixed_weight is None and self._ready(st):
+            fit = self._cached_fit(st, like)
+            views = fit.get("views")
+            if views is None:
+                views = fit["views"] = list(self._split(key, fit["b"]).values())
+            return views
         flat = torch.cat([t.detach().reshape(-1) for t in likes])
-        b = self.weight(key, flat)
-        return list(self._split(key, b).values())
+        return list(self._split(key, self.weight(key, flat)).values())
 
     def update_many(
         self, names: list[str], g_paths: list[torch.Tensor], g_cvs: list[torch.Tensor]
@@ -224,36 +275,47 @@ class _ControlVariate:
 
     @staticmethod
     def _to(st: dict, like: torch.Tensor) -> None:
-        for k, v in st.items():  # a loaded state may live on another device
+        for k, v in list(st.items()):  # a loaded state may live on another device
             if torch.is_tensor(v) and (v.device != like.device or v.dtype != like.dtype):
                 st[k] = v.to(like)
+                st.pop("buf", None)  # the moved moments are no longer views of it
+
+    def _fresh_state(self, c: torch.Tensor) -> dict:
+        """Zero moments for ``c``'s shape: views into one buffer, so a step updates them at once."""
+        keys = self._KEYS if self.center else self._KEYS[self._CENTRED :]
+        buf = c.new_zeros((len(keys),) + c.shape)
+        st = dict(zip(keys, buf.unbind(0)))
+        st.update(n=0, w1=0.0, w2=0.0, qw=0.0, fit=None, buf=buf)
+        return st
 
     def update(self, name: str, g_path: torch.Tensor, g_cv: torch.Tensor) -> None:
         """Add one step's parts (call after the step's gradient is formed from ``weight``)."""
         p, c = g_path.detach(), g_cv.detach()
         st = self.state.get(name)
         if st is None or st["scc"].shape != c.shape:
-            keys = self._KEYS if self.center else self._KEYS[2:]
-            st = self.state[name] = {k: torch.zeros_like(c) for k in keys}
-            st.update(n=0, w1=0.0, w2=0.0, qw=0.0, fit=None)
+            st = self.state[name] = self._fresh_state(c)
         self._to(st, c)
+        buf = st.get("buf")
+        if buf is None:  # a loaded or moved state: its moments become views of one buffer again
+            keys = self._KEYS if self.center else self._KEYS[self._CENTRED :]
+            buf = st["buf"] = torch.stack([st[k] for k in keys])
+            st.update(zip(keys, buf.unbind(0)))
         beta = self.decay
-        if st["w1"] > 0:  # centred at the means of the steps before this one
+        # this step's terms, in the order of _KEYS: sp, sc, spp (centred only), spc, scc, and
+        # the residual moments centred at the means of the steps before this one
+        new = [p, c, p * p] if self.center else []
+        new += [p * c, c * c]
+        first = not st["w1"] > 0
+        if not first:
             if self.center:
                 x, y = c - st["sc"] / st["w1"], p - st["sp"] / st["w1"]
             else:
                 x, y = c, p
             xx = x * x
             xy = x * y
-            st["xxyy"].mul_(beta).add_(xy * xy)
-            st["xxxy"].mul_(beta).add_(xx * xy)
-            st["xxxx"].mul_(beta).add_(xx * xx)
+            new += [xy * xy, xx * xy, xx * xx]
             st["qw"] = beta * st["qw"] + 1.0
-        st["spc"].mul_(beta).add_(p * c)
-        st["scc"].mul_(beta).add_(c * c)
-        if self.center:
-            st["sp"].mul_(beta).add_(p)
-            st["sc"].mul_(beta).add_(c)
+        buf[: len(new)].mul_(beta).add_(torch.stack(new))  # the residual moments wait a step
         st["w1"] = beta * st["w1"] + 1.0
         st["w2"] = beta * beta * st["w2"] + 1.0
         st["n"] += 1
@@ -269,19 +331,23 @@ class _ControlVariate:
             "center": self.center,
             "confidence": self.confidence,
             "fixed_weight": self.fixed_weight,
+            "mix_gain": self.mix_gain,
             "layouts": {k: list(v) for k, v in self.layouts.items()},
             "moments": {
                 k: {
                     kk: (v.clone() if torch.is_tensor(v) else v)
                     for kk, v in st.items()
-                    if kk != "fit"
+                    if kk not in ("fit", "buf")
                 }
                 for k, st in self.state.items()
             },
         }
 
     def load_state_dict(self, state: dict) -> None:
-        missing = {"confidence", "fixed_weight"} - set(state)
+        missing = {"confidence", "fixed_weight", "mix_gain"} - set(state)
+        keys = self._KEYS if state.get("center", True) else self._KEYS[self._CENTRED :]
+        for st in state.get("moments", {}).values():
+            missing |= set(keys) - set(st)
         if missing:
             raise ValueError(
                 f"this control-variate state lacks {sorted(missing)}: it was saved by an older "
@@ -290,6 +356,7 @@ class _ControlVariate:
         self.decay, self.clip = state["decay"], state["clip"]
         self.warmup, self.center = state["warmup"], state["center"]
         self.confidence, self.fixed_weight = state["confidence"], state["fixed_weight"]
+        self.mix_gain = state["mix_gain"]
         self.state = {
             k: {kk: (v.clone() if torch.is_tensor(v) else v) for kk, v in st.items()}
             for k, st in state["moments"].items()
@@ -357,9 +424,17 @@ class _AdaptiveMixin:
     _distributed: bool | None
 
     def _init_cv(
-        self, decay, clip, warmup, center, distributed, confidence=2.0, fixed_weight=None
+        self,
+        decay,
+        clip,
+        warmup,
+        center,
+        distributed,
+        confidence=2.0,
+        fixed_weight=None,
+        mix_gain=None,
     ) -> None:
-        self._cv = _ControlVariate(decay, clip, warmup, center, confidence, fixed_weight)
+        self._cv = _ControlVariate(decay, clip, warmup, center, confidence, fixed_weight, mix_gain)
         self._distributed = distributed
         self._key: str | None = None  # the joint state of the last measured step's parameters
         self._unmeasured = 0
@@ -767,13 +842,18 @@ class TraceAdaptiveSTL_ELBO(_AdaptiveMixin, TraceSTL_ELBO):
     **Cost.** One model and one guide pass (the default STL path: no relays for plain
     families), the base backward, and one small backward of the score parts
     :math:`\log q(z;\phi) - \log q(z;\bot(\phi))` (it reaches the guide's parameters only;
-    for an amortized guide, one backward of the encoder), plus seven buffers (five without
+    for an amortized guide, one backward of the encoder), plus eight buffers (five without
     ``center``) of each guide parameter's size, kept as one joint state for the step's
     parameters: one fit and one update per step, the fit recomputed every 4 steps after the
-    first 20 past warm-up. Once settled (after those 20), while every weight is exactly 0 or
-    exactly 1, three steps in four take STL's or ``Trace_ELBO``'s gradient directly (one
-    backward, no moments; the choice comes from earlier steps, so the step is unbiased) and
-    the fourth measures both parts.
+    first 20 past warm-up. Such a measured step costs about 1.2-1.3 ``Trace_ELBO`` steps.
+    Once settled (after those 20), three steps in four take STL's or ``Trace_ELBO``'s
+    gradient directly (one backward, no moments; the fourth measures both parts) when the
+    per-element mix would not pay for that cost: while every weight is exactly 0 or exactly
+    1, or while the better endpoint's predicted total variance
+    :math:`V(e) = \sum_e \operatorname{Var} g_e(e)` is within ``mix_gain`` of the fitted
+    weights' :math:`V(b)` (both from the moments, by the first identity above). The choice
+    comes from earlier steps, so the direct step is unbiased too; it is the estimator with
+    :math:`b \equiv e`.
 
     **Sites.** Sites without a score part (``Delta``, non-reparameterized sites,
     ``infer={"stl": False}``, flows that cannot be split, ``Rejector``-like families with
@@ -825,8 +905,12 @@ class TraceAdaptiveSTL_ELBO(_AdaptiveMixin, TraceSTL_ELBO):
     :param center: fit with an intercept (the default); ``False`` sets it to 0, which
         relies on :math:`\mathbb E[g_\text{score}] = 0` alone and is noisier far from the
         optimum, where :math:`\mathbb E[g_\text{path}]` is large (five buffers instead of
-        seven).
+        eight; no direct steps while the weights are mixed).
     :param distributed: average the parts over ``torch.distributed`` ranks (see above).
+    :param mix_gain: the smallest predicted variance reduction, better endpoint over the
+        fitted mix, for which every step measures; below it three steps in four take the
+        endpoint directly (see **Cost**). ``None``: every step measures while the weights
+        are mixed.
 
     Other arguments are :class:`pyro.infer.Trace_ELBO`'s.
     """
@@ -843,18 +927,20 @@ class TraceAdaptiveSTL_ELBO(_AdaptiveMixin, TraceSTL_ELBO):
         fixed_weight: float | None = None,
         center: bool = True,
         distributed: bool | None = None,
+        mix_gain: float | None = 1.25,
         **kwargs,
     ):
         super().__init__(num_particles, max_plate_nesting, *args, **kwargs)
-        self._init_cv(decay, clip, warmup, center, distributed, confidence, fixed_weight)
+        self._init_cv(decay, clip, warmup, center, distributed, confidence, fixed_weight, mix_gain)
 
     #: while every weight sits at one endpoint, the parts are measured on one step in this many
     _MEASURE_EVERY = 4
 
     def loss_and_grads(self, model, guide, *args, **kwargs) -> float:
-        """As :meth:`_AdaptiveMixin.loss_and_grads`; while every weight is exactly 0 (STL) or 1
-        (``Trace_ELBO``), three steps in four take that estimator's gradient directly (one
-        backward, no moments), chosen from earlier steps only, so every step stays unbiased."""
+        """As :meth:`_AdaptiveMixin.loss_and_grads`; while the policy says a whole estimator
+        would do (``mix_gain``), three steps in four take STL's or ``Trace_ELBO``'s gradient
+        directly (one backward, no moments), chosen from earlier steps only, so every step
+        stays unbiased."""
         end = self._cv.uniform(self._key) if self._key is not None else None
         self._unmeasured = self._unmeasured + 1 if end is not None else 0
         if (

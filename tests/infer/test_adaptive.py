@@ -547,6 +547,12 @@ def test_bad_arguments():
         TraceAdaptiveSTL_ELBO(fixed_weight=math.nan)
     with pytest.raises(ValueError, match="older version"):
         TraceAdaptiveSTL_ELBO().load_state_dict({"decay": 0.9, "clip": None, "moments": {}})
+    with pytest.raises(ValueError, match="mix_gain"):
+        TraceAdaptiveSTL_ELBO(mix_gain=0.5)
+    old = TraceAdaptiveSTL_ELBO().state_dict()  # moments without the spp buffer: refused
+    old["moments"] = {"p": {"sp": torch.zeros(2), "sc": torch.zeros(2), "n": 3}}
+    with pytest.raises(ValueError, match="spp"):
+        TraceAdaptiveSTL_ELBO().load_state_dict(old)
 
 
 # ------------------------------------------------------------------ distributed
@@ -604,3 +610,84 @@ def test_settled_at_an_endpoint_measures_one_step_in_four():
         for k in ref:
             torch.testing.assert_close(ours[k], ref[k])
     assert measured == 2 and st["n"] == n0 + 2  # one step in four updates the moments
+
+
+# ------------------------------------------------------------------ direct steps: when the mix does not pay
+
+
+def _predicted_variances(parts, beta, b):
+    """Two-pass weighted total variance sum_e Var(g_path + b g_cv) from the stored parts."""
+    P = torch.stack([p for p, _ in parts])
+    C = torch.stack([c for _, c in parts])
+    w = beta ** torch.arange(len(parts) - 1, -1, -1, dtype=torch.float64)[:, None]
+    w = w / w.sum()
+
+    def var(bb):
+        g = P + bb * C
+        m = (w * g).sum(0)
+        return float((w * (g - m) ** 2).sum())
+
+    return var(b), var(torch.zeros_like(b)), var(torch.ones_like(b))
+
+
+@pytest.mark.parametrize(
+    "b_star, noise, expect",
+    [
+        (0.5, 0.05, None),  # the mix removes almost all of both endpoints' variance: measure
+        (0.05, 3.0, 0.0),  # near STL and noisy: the mix gains < 1.25x, take STL directly
+        (0.9, 3.0, 1.0),  # near Trace_ELBO: take Trace_ELBO directly
+    ],
+)
+def test_direct_choice_matches_two_pass_predicted_variances(b_star, noise, expect):
+    """The direct-step rule, against the total variances recomputed from the stored parts."""
+    from pyro_gradroute.infer.trace_adaptive_elbo import _ControlVariate
+
+    beta = 0.9
+    cv = _ControlVariate(decay=beta)
+    parts = _feed(cv, 60, b_star, noise, torch.Generator().manual_seed(3), shape=(50,))
+    b = cv.weight("p", torch.zeros(50, dtype=torch.float64))
+    v_mix, v0, v1 = _predicted_variances(parts, beta, b)
+    best, v_end = (0.0, v0) if v0 <= v1 else (1.0, v1)
+    ref = best if v_end <= 1.25 * v_mix else None
+    assert ref == expect  # the case is what its label says
+    assert cv.uniform("p") == expect
+    cv.mix_gain = None  # off: only exact endpoints go direct
+    cv.state["p"]["fit"] = None
+    assert cv.uniform("p") is None
+
+
+def test_direct_steps_equal_pyro_trace_elbo_and_the_fourth_measures():
+    """A mixed weight whose endpoint is predicted as good: three steps in four are Pyro's
+    Trace_ELBO gradient on the same seed, the fourth is g_path + b g_cv (updates the moments)."""
+    gm = GaussianModel(D=2, n=5, prior_cov=torch.eye(2), seed=1)
+    mean, cov = gm.posterior()
+
+    def guide():
+        loc = pyro.param("loc", mean.clone() + 0.3)
+        scale = pyro.param("scale", cov.diagonal().sqrt(), constraint=constraints.positive)
+        pyro.sample("z", dist.Normal(loc, scale).to_event(1))
+
+    elbo = TraceAdaptiveSTL_ELBO()
+    gradient_draws(elbo, gm.model, guide, 40)  # past warm-up and the fresh phase
+    (key,) = elbo._cv.state
+    st = elbo._cv.state[key]
+    fit = dict(elbo._cv._cached_fit(st, st["scc"]))
+    fit["b"] = torch.full_like(fit["b"], 0.7)  # mixed weights ...
+    fit["direct"] = 1.0  # ... whose better endpoint is within mix_gain: Trace_ELBO directly
+    fit.pop("views", None)
+    st["fit"], st["age"] = fit, -100  # kept for the whole test
+    n0, direct = st["n"], 0
+    for seed in range(8):
+        before = st["n"]
+        ours = grads_on_seed(elbo, gm.model, guide, seed)
+        if st["n"] == before:
+            direct += 1
+            ref = grads_on_seed(PyroTrace_ELBO(), gm.model, guide, seed)
+            for k in ref:
+                torch.testing.assert_close(ours[k], ref[k])
+        else:  # the measuring step: b = 0.7 everywhere
+            trace = grads_on_seed(PyroTrace_ELBO(), gm.model, guide, seed)
+            stl = grads_on_seed(TraceSTL_ELBO(), gm.model, guide, seed)
+            for k in trace:
+                torch.testing.assert_close(ours[k], stl[k] + 0.7 * (trace[k] - stl[k]))
+    assert direct == 6 and st["n"] == n0 + 2
