@@ -30,8 +30,12 @@ second product the upstream samples must be *cut points*: when one upstream samp
 depends on another (``z_0 -> z_1 -> z_2``), a product with respect to both would
 count the path through ``z_1`` twice. The ELBOs draw every guide sample through a
 :class:`Relay` (an identity node that can stop the gradient during that product
-only), which makes the product exact at any depth. :func:`split_log_probs` called
-directly with plain upstream tensors raises if they depend on each other.
+only), which makes the product exact at any depth. Without cut points the product
+of each item can be taken on its own (``split_score_parts(..., per_item=True)``): exact
+when no upstream sample of one item depends on another of the same item (a chain
+:math:`q(z_t \mid z_{t-1})` reads one). Where no item has a seed for its full part (STL)
+the two products are one. :func:`split_log_probs` called directly with plain upstream
+tensors raises if they depend on each other.
 
 **Higher derivatives.** ``score`` is an ordinary graph (exact at any order).
 ``log_prob`` and ``pathwise`` are first-order only: differentiating them with
@@ -205,93 +209,79 @@ class _Pathwise(torch.autograd.Function):
                 "fn.log_prob(value) itself, support higher derivatives; the package's "
                 "Trace_ELBO (which does not split) does too."
             )
-        items, ups, targets, group, target_index, above = ctx.meta
+        items, ups, targets, group, target_index, batches = ctx.meta
         g_full = grads[0::2]
         g_path = grads[1::2]
         g_targets: list = [None] * len(targets)
-        # 1. all seeds w.r.t. the detached values (independent leaves)
-        outs, seeds, vs, slots = (
-            [],
-            [],
-            [],
-            [],
-        )  # one input per distinct v (items of a site share it)
-        for i, it in enumerate(items):
-            if it.g is not None:  # a flow: the full seed is lp's own graph; no VJP
-                if g_path[i] is not None:
-                    k = target_index[i]
-                    g_targets[k] = _add(g_targets[k], _times(g_path[i], it.g, it.target))
-                continue
-            s = _add(g_full[i], g_path[i])
-            if s is not None and it.v.requires_grad:
-                outs.append(it.lp)
-                seeds.append(s)
-                if not any(w is it.v for w in vs):
-                    vs.append(it.v)
-                    slots.append(target_index[i])
-        if vs:
-            gs = torch.autograd.grad(outs, vs, seeds, retain_graph=True, allow_unused=True)
-            for k, g in zip(slots, gs):
-                g_targets[k] = _add(g_targets[k], g)
-        # 2. pathwise seeds w.r.t. the upstream samples (partials)
         g_ups: list = [None] * len(ups)
-        outs, seeds = [], []
         for i, it in enumerate(items):
-            if it.ups and g_path[i] is not None:
-                outs.append(it.lp)
-                seeds.append(g_path[i])
-                if it.g is not None:  # d/du log q(y | u) at y fixed: minus the sample's path
-                    outs.append(it.target)
-                    seeds.append(-_times(g_path[i], it.g, it.target))
-        if outs:
-            wanted = sorted(
-                {
-                    k
-                    for i, it in enumerate(items)
-                    if it.ups and g_path[i] is not None
-                    for k in it.ups
-                }
-            )
-            if group is not None:
-                group.cut = True
-            try:
-                gs = torch.autograd.grad(
-                    outs, [ups[k] for k in wanted], seeds, retain_graph=True, allow_unused=True
-                )
-            finally:
-                if group is not None:
-                    group.cut = False
-            for k, g in zip(wanted, gs):
-                g_ups[k] = g
-            if above is not None:  # no cut points: turn the totals into partials
-                _partials(g_ups, ups, above)
+            if it.g is not None and g_path[i] is not None:  # a flow: carried forward, no VJP
+                k = target_index[i]
+                g_targets[k] = _add(g_targets[k], _times(g_path[i], it.g, it.target))
+        for batch in batches:
+            _products(batch, items, ups, target_index, g_full, g_path, group, g_targets, g_ups)
         return (None, *g_ups, *g_full, *g_targets)
 
 
-def _partials(g: list, ups: list[torch.Tensor], above: dict[int, list[int]]) -> None:
-    r"""Partial derivatives from the total ones, in place, for upstream tensors that depend on each other.
+def _products(batch, items, ups, target_index, g_full, g_path, group, g_targets, g_ups) -> None:
+    """The vector-Jacobian products of the items ``batch`` (indices), accumulated in place.
 
-    ``g[j]`` holds the total derivative :math:`G_j` of the products with respect to
-    ``ups[j]`` (through every path, including the ones through other upstream tensors);
-    ``above[j]`` lists the upstream tensors computed from ``ups[j]``. With
-    :math:`f` read directly from every ``ups[i]``,
-    :math:`G_j = \partial_j f + \sum_{i \in \text{above}(j)} (du_i/du_j)^\top \partial_i f`
-    (total derivatives :math:`du_i/du_j`; ``ups`` in the order they were computed), so
-    the partials follow from the latest to the earliest, one vector-Jacobian product each.
+    To the detached values ``v`` (independent leaves) go all seeds, ``g_full + g_path``;
+    to the upstream samples the pathwise seeds only, as partials: the relays of ``group``
+    cut while they are taken, or (without a group) no upstream sample of the batch is
+    computed from another one. Where every item that reads upstream samples has no full
+    seed the two products are one.
     """
-    for j in reversed(range(len(ups))):  # the latest first: its partial is its total
-        ins = [i for i in above.get(j, ()) if g[i] is not None]
-        if g[j] is None or not ins:
+    v_outs, v_seeds, vs, slots = [], [], [], []  # one input per distinct v
+    u_outs, u_seeds, wanted = [], [], {}
+    for i in batch:
+        it = items[i]
+        if it.g is None:
+            s = _add(g_full[i], g_path[i])
+            if s is not None and it.v.requires_grad:
+                v_outs.append(it.lp)
+                v_seeds.append(s)
+                if not any(w is it.v for w in vs):
+                    vs.append(it.v)
+                    slots.append(target_index[i])
+        if it.ups and g_path[i] is not None:
+            u_outs.append(it.lp)
+            u_seeds.append(g_path[i])
+            if it.g is not None:  # d/du log q(y | u) at y fixed: minus the sample's path
+                u_outs.append(it.target)
+                u_seeds.append(-_times(g_path[i], it.g, it.target))
+            for k in it.ups:
+                wanted[k] = None
+    merged = all(g_full[i] is None or not items[i].ups for i in batch)
+    calls = []
+    if merged:
+        # the seeds of an item that reads upstream samples are its pathwise seed alone
+        outs, seeds = list(v_outs), list(v_seeds)
+        for o, sd in zip(u_outs, u_seeds):
+            if not any(o is w for w in outs):
+                outs.append(o)
+                seeds.append(sd)
+        calls.append((outs, seeds, vs, slots, list(wanted)))
+    else:
+        calls.append((v_outs, v_seeds, vs, slots, []))
+        calls.append((u_outs, u_seeds, [], [], list(wanted)))
+    for outs, seeds, v_in, v_slots, u_in in calls:
+        if not outs or not (v_in or u_in):
             continue
-        (d,) = torch.autograd.grad(
-            [ups[i] for i in ins],
-            [ups[j]],
-            [g[i] for i in ins],
-            retain_graph=True,
-            allow_unused=True,
-        )
-        if d is not None:
-            g[j] = g[j] - d
+        cut = group is not None and bool(u_in)
+        if cut:
+            group.cut = True
+        try:
+            gs = torch.autograd.grad(
+                outs, [*v_in, *(ups[k] for k in u_in)], seeds, retain_graph=True, allow_unused=True
+            )
+        finally:
+            if cut:
+                group.cut = False
+        for k, g in zip(v_slots, gs):
+            g_targets[k] = _add(g_targets[k], g)
+        for k, g in zip(u_in, gs[len(v_in) :]):
+            g_ups[k] = _add(g_ups[k], g)
 
 
 def _times(h: torch.Tensor, g: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -353,20 +343,47 @@ def reached_nodes(tensors: Sequence[torch.Tensor], targets: dict) -> list[int]:
     return sorted(hit)
 
 
-def _above(ups: list[torch.Tensor]) -> dict[int, list[int]] | None:
-    """``{j: indices of the tensors computed from ups[j]}`` (by any path), or None if none is.
+def _independent(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether no tensor in ``tensors`` lies on another one's graph (one walk, stopping at them).
 
-    ``ups`` must be in the order they were computed.
+    Example::
+
+        >>> a = torch.ones(1, requires_grad=True) * 2
+        >>> _independent([a, a * 3]), _independent([a, torch.ones(1, requires_grad=True) * 3])
+        (False, True)
     """
-    below: list[set[int]] = []
-    for i, u in enumerate(ups):
-        direct = _reached(u, ups[:i])
-        below.append(set(direct).union(*(below[j] for j in direct)))
-    above: dict[int, list[int]] = {}
-    for i, b in enumerate(below):
-        for j in b:
-            above.setdefault(j, []).append(i)
-    return above or None
+    nodes = {t.grad_fn for t in tensors if t.grad_fn is not None}
+    stack = [f for n in nodes for f, _ in n.next_functions if f is not None]
+    seen = set(stack)
+    while stack:
+        node = stack.pop()
+        if node in nodes:
+            return False
+        for f, _ in node.next_functions:
+            if f is not None and f not in seen:
+                seen.add(f)
+                stack.append(f)
+    return True
+
+
+def _item_batches(node_items, owners, ups_list) -> list[list[int]]:
+    """One batch of node items per item that reads upstream tensors, and one for the rest.
+
+    Raises ``ValueError`` if an item reads two upstream tensors one of which is computed
+    from the other (its own product would count a path twice).
+    """
+    rest: list[int] = []
+    by_item: dict[int, list[int]] = {}
+    for n, (it, (i, _)) in enumerate(zip(node_items, owners)):
+        if it.ups:
+            by_item.setdefault(i, []).append(n)
+        else:
+            rest.append(n)
+    for ns in by_item.values():
+        ups = node_items[ns[0]].ups
+        if len(ups) > 1:
+            _check_independent([ups_list[k] for k in ups])
+    return [b for b in (rest, *by_item.values()) if b]
 
 
 def _check_independent(ups: list[torch.Tensor]) -> None:
@@ -677,7 +694,7 @@ def _check_upstream(upstream) -> None:
 
 
 def split_score_parts(
-    items, group: RelayGroup | None = None, on_error=None, dependent_ok: bool = False
+    items, group: RelayGroup | None = None, on_error=None, per_item: bool = False
 ):
     """The split of each item's ``score_parts``: a list of ``(full, pathwise, score)``.
 
@@ -687,9 +704,10 @@ def split_score_parts(
     the pathwise, gradient; ``score`` is the evaluated ``log_prob`` itself.
     ``on_error(i, exc)`` may return ``None`` to re-raise, or a
     ``(full, pathwise, score)`` triple to use for item ``i`` instead.
-    ``dependent_ok``: upstream tensors (without a ``group``) may depend on each other;
-    the backward then turns total derivatives into partials (:func:`_partials`) instead
-    of raising. They must be given in the order they were computed.
+    ``per_item``: the upstream tensors of different items (without a ``group``) may
+    depend on each other (a chain :math:`z_0 \to z_1 \to z_2`); the backward then takes
+    each item's upstream product separately, which is exact when no upstream tensor of
+    one item is computed from another of the same item (checked: ``ValueError``).
     """
     grad_mode = torch.is_grad_enabled()
     results: list = [None] * len(items)
@@ -765,19 +783,19 @@ def split_score_parts(
             target_index.append(tk)
         results[i] = (parts, distinct, score)
     if node_items:
-        above = None
+        batches = [list(range(len(node_items)))]
         if group is None and len(ups_list) > 1:
-            if dependent_ok:
-                above = _above(ups_list)
+            if per_item:
+                batches = _item_batches(node_items, owners, ups_list)
             else:
                 _check_independent(ups_list)
-        meta = (node_items, ups_list, targets, group, target_index, above)
+        meta = (node_items, ups_list, targets, group, target_index, batches)
         provenance = [get_provenance(it.lp) for it in node_items]  # TraceGraph_ELBO's tracking
         if any(provenance) or any(get_provenance(t) for t in (*ups_list, *targets)):
             node_items = [_strip_provenance(it) for it in node_items]
             ups_list = [detach_provenance(u) for u in ups_list]
             targets = [detach_provenance(t) for t in targets]
-            meta = (node_items, ups_list, targets, group, target_index, above)
+            meta = (node_items, ups_list, targets, group, target_index, batches)
         lps = [it.lp for it in node_items]
         outs = _Pathwise.apply(meta, *ups_list, *lps, *targets)
         split_of: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}

@@ -12,8 +12,11 @@ dependence on the parameters stopped. The cheapest exact mechanism is chosen per
   (:func:`~pyro_gradroute.distributions.split.split_score_parts`), which also sends the
   partials :math:`\partial \log q / \partial u` to the samples read. The samples read
   are found by walking the parameters' graph, stopping at earlier samples. This needs no
-  cut point when no sample read is computed from another one read (hierarchies: many
-  sites reading one global sample); chains and dense DAGs take the general split;
+  cut point when no sample a site reads is computed from another one it reads
+  (hierarchies, trees, chains :math:`q(z_t \mid z_{t-1})`; each site's product is then
+  taken on its own where the samples read by different sites depend on each other);
+  dense DAGs (:math:`z_t` reads :math:`z_{t-1}` and :math:`z_{t-2}`) take the general
+  split;
 * anything else (flows, families with their own ``score_parts``, straight-through
   samples, Delta sites whose density depends on parameters directly): the general
   split with relays (:class:`~pyro_gradroute.poutine.split_messenger.SplitMessenger`).
@@ -30,10 +33,10 @@ import torch
 from pyro.distributions.score_parts import ScoreParts
 from pyro.poutine.util import site_is_subsample
 
-from ..distributions.detached import detached_copy, param_tensors
+from ..distributions.detached import _plain, detached_copy, param_tensors
 from ..distributions.split import (
     SplitNotSupported,
-    _above,
+    _independent,
     delta_base,
     reached_nodes,
     reaches_leaf_directly,
@@ -101,8 +104,7 @@ def site_pathwise(name: str, fn, value: torch.Tensor, earlier: list[torch.Tensor
         return None
     if hasattr(value, "_unquantize"):  # straight-through: the density is at the relaxed value
         raise NeedsGeneralSplit(name)
-    copy = detached_copy(fn, value)
-    if copy is None:
+    if not _plain(fn):
         raise NeedsGeneralSplit(name)
     params = param_tensors(fn)
     if params and not value.requires_grad and torch.is_grad_enabled():
@@ -115,6 +117,9 @@ def site_pathwise(name: str, fn, value: torch.Tensor, earlier: list[torch.Tensor
         )
     ups = frontier(params, nodes)
     if not ups:
+        copy = detached_copy(fn, value)
+        if copy is None:
+            raise NeedsGeneralSplit(name)
         lp = copy.log_prob(value)
         parts = PathwiseParts(lp, 0, lp)
         parts.conditional = False
@@ -131,22 +136,40 @@ def site_pathwise(name: str, fn, value: torch.Tensor, earlier: list[torch.Tensor
 
 def independent_reads(read: set[int], earlier: list[torch.Tensor]) -> bool:
     """Whether no sample in ``read`` (indices into ``earlier``) is computed from another one."""
-    return len(read) < 2 or _above([earlier[i] for i in sorted(read)]) is None
+    return len(read) < 2 or _independent([earlier[i] for i in read])
+
+
+def reads_per_site(items: list[Conditional], earlier: list[torch.Tensor]) -> bool:
+    """Whether the conditional sites' products are taken one site at a time (see :func:`conditional_pathwise`).
+
+    Raises :class:`NeedsGeneralSplit` naming a site that reads a sample computed from
+    another one it reads.
+    """
+    if independent_reads({i for it in items for i in it.upstream}, earlier):
+        return False
+    for it in items:
+        if not independent_reads(set(it.upstream), earlier):
+            raise NeedsGeneralSplit(it.name)
+    return True
 
 
 def conditional_pathwise(items: list[Conditional], earlier: list[torch.Tensor]) -> list[ScoreParts]:
-    """The pathwise parts of conditional sites, from one split node with no cut points.
+    r"""The pathwise parts of conditional sites, from one split node with no cut points.
 
-    The node sends each site's partials to the samples it reads. That is exact when no
-    sample read is computed from another one read (hierarchies, trees: many sites reading
-    the same global sample); otherwise (chains, dense DAGs) the partials need the cut
-    points of the general split, and this raises :class:`NeedsGeneralSplit`.
+    The node sends each site's partials :math:`\partial \log q / \partial u` to the
+    samples :math:`u` it reads. When no sample read by any of the sites is computed from
+    another one (hierarchies, many sites reading one global sample) one product serves
+    them all. Otherwise (chains :math:`q(z_t \mid z_{t-1})`, trees) each site's product is
+    taken on its own, which is exact when no sample *it* reads is computed from another
+    one it reads; a site that does read such a pair (a dense DAG: :math:`z_t` reads
+    :math:`z_{t-1}` and :math:`z_{t-2}`) needs the cut points of the general split, and
+    this raises :class:`NeedsGeneralSplit`.
     """
-    if not independent_reads({i for it in items for i in it.upstream}, earlier):
-        raise NeedsGeneralSplit(items[0].name)
+    per_item = reads_per_site(items, earlier)
     try:
         out = split_score_parts(
-            [(it.fn, it.value, [earlier[i] for i in it.upstream], None) for it in items]
+            [(it.fn, it.value, [earlier[i] for i in it.upstream], None) for it in items],
+            per_item=per_item,
         )
     except SplitNotSupported as e:
         raise NeedsGeneralSplit(items[0].name) from e

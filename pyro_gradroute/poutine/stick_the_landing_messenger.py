@@ -17,7 +17,7 @@ from .pathwise import (
     Conditional,
     NeedsGeneralSplit,
     conditional_pathwise,
-    independent_reads,
+    reads_per_site,
     site_pathwise,
 )
 from .split_distribution import SplitBatch, SplitDistribution
@@ -484,17 +484,17 @@ def _fast_enough(batch: SplitBatch) -> bool:
     """
     outputs = batch.group.outputs
     nodes = {r.grad_fn: i for i, r in enumerate(outputs)}
-    read: set[int] = set()
-    for rec in batch.records.values():
-        if not rec.stl:
-            continue
-        try:
-            parts = site_pathwise(rec.name, rec.fn, rec.raw, outputs, nodes)
-        except (NeedsGeneralSplit, ValueError, NotImplementedError):
-            return False
-        if isinstance(parts, Conditional):
-            read.update(parts.upstream)
-    return independent_reads(read, outputs)
+    conditional = []
+    try:
+        for rec in batch.records.values():
+            if rec.stl:
+                parts = site_pathwise(rec.name, rec.fn, rec.raw, outputs, nodes)
+                if isinstance(parts, Conditional):
+                    conditional.append(parts)
+        reads_per_site(conditional, outputs)
+    except (NeedsGeneralSplit, ValueError, NotImplementedError):
+        return False
+    return True
 
 
 def stick_the_landing(

@@ -240,3 +240,64 @@ def test_detached_copy_of_a_non_distribution_is_a_clear_error():
 
     with pytest.raises(TypeError, match="expects a torch.distributions.Distribution, got float"):
         detached_copy(1.0)
+
+
+# ----------------------------------------------------------------------------- which path, exactly
+def _graph_problem(kind: str, T: int = 8):
+    """A float64 guide whose site ``t`` reads the samples ``parents(t)`` (a linear-Gaussian DAG).
+
+    ``chain``: ``z_{t-1}``; ``tree``: ``z_{(t-1)//2}`` (siblings independent, depth 3);
+    ``polytree``: two independent roots both read by ``z_2``, then a chain; ``dense``:
+    ``z_{t-1}`` and ``z_{t-2}`` (one computed from the other).
+    """
+    parents = {
+        "chain": lambda t: [t - 1] if t else [],
+        "tree": lambda t: [(t - 1) // 2] if t else [],
+        "polytree": lambda t: [] if t < 2 else ([0, 1] if t == 2 else [t - 1]),
+        "dense": lambda t: [u for u in (t - 1, t - 2) if u >= 0],
+    }[kind]
+    x = torch.linspace(-1.0, 2.0, T, dtype=torch.float64)
+
+    def model():
+        for t in range(T):
+            z = pyro.sample(f"z{t}", dist.Normal(0.0, 1.5))
+            pyro.sample(f"x{t}", dist.Normal(z, 0.5), obs=x[t])
+
+    def guide():
+        a = pyro.param("a", torch.linspace(0.3, 0.9, T, dtype=torch.float64))
+        b = pyro.param("b", torch.linspace(-0.5, 1.0, T, dtype=torch.float64))
+        s = pyro.param(
+            "s", torch.full((T,), 0.7, dtype=torch.float64), constraint=constraints.positive
+        )
+        z = []
+        for t in range(T):
+            loc = b[t] + sum(a[t] * (0.5 + 0.1 * j) * z[u] for j, u in enumerate(parents(t)))
+            z.append(pyro.sample(f"z{t}", dist.Normal(loc, s[t])))
+
+    return model, guide
+
+
+@pytest.mark.parametrize("kind", ["chain", "tree", "polytree", "dense"])
+def test_conditional_guides_default_path_equals_general_split(kind):
+    """Chains, trees and polytrees take the default path (one product per site, no relays),
+    dense DAGs the general split; either way the gradient is the general split's (float64)."""
+    model, guide = _graph_problem(kind)
+    pyro.clear_param_store()
+    guide()
+    names = ["a", "b", "s"]
+    fast, general = TraceSTL_ELBO(), TraceSTL_ELBO()
+    general._policy.mark(guide, general=True)
+    msngr = stick_the_landing()
+    handler = msngr(guide)
+    for seed in range(3):
+        grads = []
+        for elbo, g in ((fast, guide), (general, guide), (PyroTrace_ELBO(), handler)):
+            for p in pyro.get_param_store().values():
+                p.unconstrained().grad = None
+            pyro.set_rng_seed(seed)
+            elbo.loss_and_grads(model, g)
+            grads.append(_flat(names))
+        for other in grads[1:]:
+            torch.testing.assert_close(grads[0], other, rtol=1e-10, atol=1e-10)
+    assert fast._policy.needs_general(guide) is (kind == "dense")
+    assert msngr._fast is (kind != "dense")
