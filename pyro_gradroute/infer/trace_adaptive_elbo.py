@@ -1077,20 +1077,13 @@ class TraceAdaptiveDReG_ELBO(_AdaptiveMixin, TraceDReG_ELBO):
             num_particles=num_particles, vectorize_particles=vectorize_particles, **kwargs
         )
         self._init_cv(decay, clip, warmup, center, distributed, confidence, fixed_weight)
-        self._last_factors = None
-
-    def _site_factors(self, guide_sites, w, outer) -> dict:
-        factors = super()._site_factors(guide_sites, w, outer)
-        self._last_factors = (w, factors)
-        return factors
 
     def _particle_terms(self, model_trace, guide_trace, blocks=None) -> tuple[float, Terms]:
         elbo, terms = super()._particle_terms(model_trace, guide_trace, blocks)
+        record = terms.pop(EXTRA)  # the base estimator's weights and per-site factors
         if not torch.is_grad_enabled():
             return elbo, terms
-        w, factors = self._last_factors
-        self._last_factors = None
-        w = w.detach()
+        w, factors = record["weights"].detach(), record["factors"]
         seeds, paths, scores = [], [], []  # (guide value, model value, 1 - f, event dim)
         for name, site in guide_trace.nodes.items():
             if site["type"] != "sample" or site["is_observed"]:

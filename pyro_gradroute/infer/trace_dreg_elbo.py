@@ -10,7 +10,7 @@ from pyro.poutine import Trace
 
 from ..distributions.split import _reached, is_delta, reaches_leaf_directly
 from ..poutine.split_distribution import SplitDistribution, check_delta_density
-from .elbo import RoutedELBO, Terms, _joint_blocks, add_term, collect_blocks
+from .elbo import EXTRA, RoutedELBO, Terms, _joint_blocks, add_term, collect_blocks
 from .traces import get_split_importance_trace, site_parts
 
 
@@ -458,6 +458,8 @@ class TraceDReG_ELBO(RoutedELBO):
                 if torch.is_tensor(path) and path.requires_grad:
                     f = factors.get(name, 1.0)
                     add_term(terms, ("guide", name), -(wk * f * path).sum())
+        if vectorized:  # the particle's record, for estimators built on this one
+            terms[EXTRA] = {"weights": w, "factors": factors}
         return elbo, terms
 
     def _particle_terms(self, model_trace, guide_trace, blocks=None) -> tuple[float, Terms]:
