@@ -40,6 +40,8 @@ from collections.abc import Hashable, Iterable, Mapping, Sequence
 import torch
 from torch import nn
 
+from ._compat import tensor_backward_hooks, will_engine_execute
+
 __all__ = ["backward", "grad", "gate", "reachable_leaves"]
 
 BlockEntry = nn.Module | torch.Tensor | Mapping[str, torch.Tensor]
@@ -404,9 +406,7 @@ def grad(
 
 def _will_execute(node) -> bool:
     """Whether the backward pass now running will run (or capture at) ``node``."""
-    from ._compat import will_engine_execute  # torch's private API lives there
-
-    return will_engine_execute(node)
+    return will_engine_execute(node)  # torch's private API lives in _compat
 
 
 def _no_grad_in_no_grad_out(grad_inputs, grad_outputs):
@@ -422,8 +422,6 @@ _HOOKED = "_gradroute_no_grad_hook"
 def _skip_none_in_term_hooks(term: torch.Tensor) -> None:
     """Hooks on the term itself are not called when no gradient reaches it (a full backward
     sends none into the term's graph; e.g. Pyro's NaN-check hooks do not accept ``None``)."""
-    from ._compat import tensor_backward_hooks
-
     hooks = tensor_backward_hooks(term)
     if not hooks:
         return

@@ -38,6 +38,7 @@ from __future__ import annotations
 import copy
 
 import torch
+from pyro.distributions import Delta
 from pyro.distributions.torch_distribution import (
     ExpandedDistribution,
     MaskedDistribution,
@@ -68,8 +69,6 @@ def _signature(fn: Distribution) -> tuple:
 
 
 def _plain(fn: Distribution) -> bool:
-    from pyro.distributions import Delta
-
     while True:
         score_parts = getattr(type(fn), "score_parts", None)
         if score_parts is not None and score_parts is not TorchDistributionMixin.score_parts:

@@ -43,6 +43,9 @@ from __future__ import annotations
 from operator import attrgetter
 
 import torch
+from pyro.distributions import MultivariateNormal
+from pyro.infer.autoguide import AutoStructured
+from pyro.infer.autoguide.gaussian import AutoGaussian, AutoGaussianDense
 from torch.distributions import biject_to
 
 from .._compat import find_frame, pyro_name
@@ -55,9 +58,6 @@ class StructuredNotSupported(ValueError):
 
 
 def _guide_codes() -> dict:
-    from pyro.infer.autoguide import AutoStructured
-    from pyro.infer.autoguide.gaussian import AutoGaussian
-
     return {
         AutoStructured.forward.__code__: AutoStructured,
         AutoGaussian.forward.__code__: AutoGaussian,
@@ -126,9 +126,6 @@ def structured_pathwise(guide, records: dict) -> dict:
     conditional (a deterministic function of parameters and upstream noise, no density).
     Raises :class:`StructuredNotSupported` naming the site where it cannot be exact.
     """
-    from pyro.infer.autoguide import AutoStructured
-    from pyro.infer.autoguide.gaussian import AutoGaussian, AutoGaussianDense
-
     if isinstance(guide, AutoStructured):
         if type(guide).get_deltas is not AutoStructured.get_deltas:
             raise StructuredNotSupported(_override_msg(guide, "get_deltas"))
@@ -278,8 +275,6 @@ def _delta(fn):
 
 
 def _autogaussian(g, records: dict) -> dict:
-    from pyro.distributions import MultivariateNormal
-
     aux_name = f"_{pyro_name(g)}_latent"
     aux = _record(records, aux_name, "the auxiliary Gaussian draw")
     fn = aux.fn

@@ -20,6 +20,7 @@ from pyro.infer.util import torch_item
 from pyro.util import warn_if_nan
 
 from .. import routing
+from ..poutine.collect import collect_blocks as _collect
 from .traces import get_split_importance_trace
 
 Terms = dict[Hashable, torch.Tensor]
@@ -37,8 +38,6 @@ def add_term(terms: Terms, key: Hashable, value) -> None:
 
 def collect_blocks(model_trace, guide_trace) -> dict:
     """Term key -> parameters the term must not reach, from ``block_grad`` marks in the traces."""
-    from ..poutine.collect import collect_blocks as _collect
-
     return _collect(model_trace, guide_trace)
 
 

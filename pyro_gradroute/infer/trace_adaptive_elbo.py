@@ -18,7 +18,10 @@ import math
 
 import torch
 import torch.distributed as torch_dist
+from pyro.util import warn_if_nan
+from torch.distributions import TransformedDistribution
 
+from .. import routing
 from ..distributions.split import is_delta
 from ..poutine.pathwise import latent_site
 from ..poutine.split_distribution import SplitDistribution
@@ -474,10 +477,6 @@ class _AdaptiveMixin:
 
     def loss_and_grads(self, model, guide, *args, **kwargs) -> float:
         """Negative ELBO (or bound) as a float; accumulates :math:`g_\\text{path} + b \\odot g_\\text{cv}`."""
-        from pyro.util import warn_if_nan
-
-        from .. import routing
-
         loss = 0.0
         saved: dict[torch.Tensor, torch.Tensor | None] = {}  # param -> its .grad before this step
         g_cv: dict[torch.Tensor, torch.Tensor] = {}
@@ -546,10 +545,6 @@ class _AdaptiveMixin:
         :math:`b \odot g_\text{cv}` as a term linear in the parameters. Call it once per
         step: every call is a step of the moments.
         """
-        from pyro.util import warn_if_nan
-
-        from .. import routing
-
         loss, surrogate = 0.0, None
         g_path: dict[torch.Tensor, torch.Tensor] = {}
         g_cv: dict[torch.Tensor, torch.Tensor] = {}
@@ -686,8 +681,6 @@ def _score_tensor(site):
 
 def _transformed(fn) -> bool:
     """Whether ``fn`` evaluates through transforms (a detached value would miss their caches)."""
-    from torch.distributions import TransformedDistribution
-
     while True:
         if isinstance(fn, TransformedDistribution):
             return True
