@@ -24,6 +24,7 @@ import pyro
 import torch
 from pyro.nn import PyroModule
 from pyro.poutine.subsample_messenger import _Subsample
+from torch.distributions.utils import _sum_rightmost
 
 __all__ = [
     "Subsample",
@@ -136,3 +137,60 @@ def find_frame(codes: dict, depth: int = 48):
             return frame, hit
         frame = frame.f_back
     return None, None
+
+
+# ---------------------------------------------------------------- transform caches (flows)
+# torch's Transform keeps its last call in ``_cached_x_y`` when ``_cache_size`` is 1; Pyro's
+# flows keep the intermediate terms of their last call on further private attributes.
+def transform_cache(t) -> tuple | None:
+    """``(x, y)`` of a transform's last call, ``(None, None)`` before one, None if uncached."""
+    if not getattr(t, "_cache_size", 0):
+        return None
+    return t._cached_x_y
+
+
+def set_transform_cache(t, x, y) -> None:
+    """Make a cached transform's cache hold ``(x, y)`` (its inverse at ``y`` then returns ``x``)."""
+    object.__setattr__(t, "_cached_x_y", (x, y))
+
+
+def cached_log_scale(t) -> torch.Tensor:
+    """The log-scale of an ``AffineCoupling`` / ``AffineAutoregressive`` layer's last call."""
+    return t._cached_log_scale
+
+
+def spline_log_derivative(t) -> torch.Tensor:
+    """The elementwise log-derivatives of a ``SplineAutoregressive`` / ``SplineCoupling`` call."""
+    return t._cache_log_detJ
+
+
+def cached_log_det_jacobian(t) -> torch.Tensor:
+    """A Pyro flow's cached log-Jacobian term (``BlockAutoregressive``: its log-diagonal)."""
+    return t._cached_logDetJ
+
+
+def naf_cache(t) -> tuple[torch.Tensor, ...]:
+    """``(log_df_inv_dx, A, W_pre, C, T_C)``: a ``NeuralAutoregressive`` call's DSF terms."""
+    return t._cached_log_df_inv_dx, t._cached_A, t._cached_W_pre, t._cached_C, t._cached_T_C
+
+
+def conditioned_params(t) -> tuple:
+    """The parameters of a conditioned Pyro transform (``ConditionedPlanar``, ...)."""
+    p = t._params
+    return p() if callable(p) else p
+
+
+def module_attr(m, name: str):
+    """``m.name`` read from the module's own registries, without ``PyroModule.__getattr__``
+    (a param-store look-up per access)."""
+    if isinstance(m, torch.nn.Module):
+        d = m.__dict__
+        for reg in ("_parameters", "_buffers", "_modules"):
+            if name in d[reg]:
+                return d[reg][name]
+    return getattr(m, name)
+
+
+def sum_rightmost(x, dim: int):
+    """Sum out the ``dim`` rightmost dimensions (torch's ``distributions.utils._sum_rightmost``)."""
+    return _sum_rightmost(x, dim)

@@ -1,0 +1,77 @@
+r"""Forward-carried pathwise gradients of normalizing flows: one rule per transform class.
+
+A flow samples :math:`y = T(x)`, :math:`x \sim q_0`, and scores it by
+:math:`\log q(y) = \log q_0(x) - \log|\det J_T(x)|`. The pathwise part of the
+score/pathwise split needs :math:`g_y = \nabla_y \log q(y)` with the parameters held
+fixed. Instead of running :math:`T^{-1}`, it is carried *forward* with the sample
+(Vaitl et al. 2024, "fast path gradients"), one layer :math:`x \mapsto T_i(x)` at a time:
+
+.. math::
+
+    g_{x_{i+1}} = J_{T_i}(x_i)^{-T}\,\big(g_{x_i} - \nabla_{x_i} \log|\det J_{T_i}(x_i)|\big),
+    \qquad g_{x_0} = \nabla_{x_0} \log q_0(x_0).
+
+Each transform class has a *rule* applying that update (:func:`register_flow_rule`;
+the built-in rules are listed in :data:`RULES_TABLE`):
+
+* diagonal (elementwise) Jacobians: closed form;
+* identity plus low rank (Householder, Planar, Radial, Sylvester): Sherman-Morrison /
+  Woodbury, closed form;
+* coupling layers: one vector-Jacobian product (VJP) through the conditioner;
+* autoregressive layers (triangular :math:`J`): the fixed-point iteration
+  :math:`g \leftarrow g + \operatorname{diag}(J)^{-1}(u - J^T g)`, one VJP per iteration,
+  exact after at most :math:`D` iterations, stopped on a relative tolerance
+  (:func:`solve_settings`), raising :class:`FlowSolveError` if it is not reached.
+
+Trailing transforms without parameters (``biject_to`` pushforwards, ...) need no rule:
+the pathwise gradient is sent to the output of the last parametrized transform (see
+:class:`FlowPath`), which also keeps saturating tails finite. A transform with no rule
+makes the split fall back to the inverse-based evaluation.
+
+The VJPs run through the graph the sample was drawn with (no re-evaluation), so the
+rules cost a fraction of one backward pass through the flow; a layer whose input does
+not require grad is re-evaluated once on a detached copy instead. A ``Normal`` base
+(also under ``Independent``) gives :math:`g_{x_0}` in closed form.
+
+Modules: :mod:`.path` (the path of a sample and the layers a rule sees), :mod:`.rules`
+(the registry and the closed-form rules), :mod:`.triangular` (the triangular solve and the
+autoregressive rules).
+
+Example (Planar layers have no inverse; the gradient is carried forward)::
+
+    >>> import torch, pyro.distributions as dist, pyro.distributions.transforms as T
+    >>> from pyro_gradroute.distributions import flows
+    >>> q = dist.TransformedDistribution(dist.Normal(torch.zeros(3), 1.0).to_event(1),
+    ...                                  [T.planar(3), T.planar(3)])
+    >>> y, g = flows.flow_grad(q, torch.randn(3))
+    >>> g.shape, flows.supported(q)
+    (torch.Size([3]), True)
+"""
+
+# also reached as ``flows.<name>`` (by split.py, detached.py and the tests): the aliases re-export
+from .path import FlowLayer, FlowPath, flow_grad
+from .path import _flatten as _flatten
+from .path import cached_path as cached_path
+from .path import evaluate as evaluate
+from .path import forward_path as forward_path
+from .path import holds_params as holds_params
+from .path import normal_base_grad as normal_base_grad
+from .path import supported as supported
+from .rules import _RULES as _RULES
+from .rules import RULES_TABLE, flow_rule, register_flow_rule
+from .triangular import _SETTINGS as _SETTINGS
+from .triangular import FlowSolveError, SolveRecord, record_solves, solve_settings, triangular_solve
+
+__all__ = [
+    "FlowLayer",
+    "FlowPath",
+    "FlowSolveError",
+    "RULES_TABLE",
+    "SolveRecord",
+    "flow_grad",
+    "flow_rule",
+    "record_solves",
+    "register_flow_rule",
+    "solve_settings",
+    "triangular_solve",
+]

@@ -1,0 +1,397 @@
+r"""The forward path of a flow sample, and the view of one layer that a rule gets.
+
+:class:`FlowPath` records :math:`x_0 \to x_1 \to \dots \to x_n = y` as the sample is
+drawn (:func:`forward_path`) or recovers it from the transforms' caches
+(:func:`cached_path`); :meth:`FlowPath.target_grad` carries
+:math:`g_{x_0} = \nabla_{x_0} \log q_0(x_0)` through the rules of
+:mod:`~pyro_gradroute.distributions.flows`, one :class:`FlowLayer` at a time.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import inspect
+import types
+
+import torch
+from torch.distributions import Independent, Normal, TransformedDistribution
+from torch.distributions import transforms as TT
+
+from ..._compat import set_transform_cache, sum_rightmost, transform_cache
+from .rules import flow_rule
+
+_EMPTY = torch.Size()
+
+
+def _fresh(t):
+    """A copy of ``t`` with its own caches (parameters and sub-modules shared)."""
+    if isinstance(t, TT.IndependentTransform):
+        return TT.IndependentTransform(_fresh(t.base_transform), t.reinterpreted_batch_ndims)
+    t2 = copy.copy(t)
+    for k, v in list(vars(t2).items()):  # methods bound to t (e.g. a stable IAF's _call)
+        if inspect.ismethod(v) and v.__self__ is t:
+            object.__setattr__(t2, k, types.MethodType(v.__func__, t2))
+    if transform_cache(t2) is not None:
+        set_transform_cache(t2, None, None)
+    return t2
+
+
+def _cache_matches(t, x) -> bool:
+    if isinstance(t, TT.IndependentTransform):
+        return _cache_matches(t.base_transform, x)
+    cache = transform_cache(t)
+    return cache is None or cache[0] is x
+
+
+class FlowLayer:
+    """What a rule sees of one layer ``y = T(x)``.
+
+    :ivar transform: the transform.
+    :ivar x: its input (detached).
+    :ivar y: its output (detached).
+    :ivar event_dim: ``transform.domain.event_dim``.
+
+    :meth:`vjp` gives vector-Jacobian products with the parameters held fixed, through
+    the graph the sample was drawn with; :attr:`evaluated` is a transform whose caches
+    (:func:`~pyro_gradroute._compat.cached_log_scale`, ...) belong to ``x``
+    (``transform`` itself, or a copy re-evaluated at a detached ``x`` when the graph
+    cannot be used).
+    """
+
+    def __init__(self, transform, x: torch.Tensor, y: torch.Tensor, _handles=None):
+        self.transform = transform
+        self.x = x.detach()
+        self.y = y.detach()
+        self.event_dim = transform.domain.event_dim
+        if _handles is not None:
+            self._t, self._x, self._y = _handles
+        elif x.requires_grad and y.requires_grad and _cache_matches(transform, x):
+            self._t, self._x, self._y = transform, x, y
+        else:
+            t2 = _fresh(transform)
+            xd = x.detach().requires_grad_()
+            with torch.enable_grad():
+                yd = t2(xd)
+            self._t, self._x, self._y = t2, xd, yd
+        self._ladj = None
+
+    @property
+    def evaluated(self):
+        """The transform whose caches hold this layer's ``x``."""
+        return self._t
+
+    def _ladj_live(self) -> torch.Tensor:
+        if self._ladj is None:
+            with torch.enable_grad():
+                self._ladj = self._t.log_abs_det_jacobian(self._x, self._y)
+        return self._ladj
+
+    @property
+    def ladj(self) -> torch.Tensor:
+        """``transform.log_abs_det_jacobian(x, y)`` (detached; elementwise for elementwise transforms)."""
+        return torch.as_tensor(self._ladj_live()).detach()
+
+    def vjp(self, g: torch.Tensor | None = None, ladj: bool = True) -> torch.Tensor:
+        r"""``d/dx [ladj * sum log|det J(x)| + <g, T(x)>]``, parameters held fixed.
+
+        With ``g=None`` this is :math:`\nabla_x \log|\det J(x)|`; with ``ladj=False``
+        it is :math:`J^T g`.
+        """
+        outs, seeds = [], []
+        if ladj:
+            la = self._ladj_live()
+            if torch.is_tensor(la) and la.requires_grad:
+                outs.append(la)
+                seeds.append(torch.ones_like(la))
+        if g is not None and self._y.requires_grad:
+            outs.append(self._y)
+            seeds.append(g.expand_as(self._y))
+        if not outs:
+            return torch.zeros_like(self.x)
+        (r,) = torch.autograd.grad(outs, [self._x], seeds, retain_graph=True, allow_unused=True)
+        return torch.zeros_like(self.x) if r is None else r.detach()
+
+    def sub(self, transform) -> FlowLayer:
+        """The same layer seen as ``transform`` (e.g. an ``IndependentTransform``'s base)."""
+        return FlowLayer(
+            transform, self.x, self.y, _handles=(self._t.base_transform, self._x, self._y)
+        )
+
+
+def normal_base_grad(base, x: torch.Tensor) -> torch.Tensor | None:
+    r""":math:`\nabla_x \log q_0(x) = (\mu - x) / \sigma^2` of a ``Normal`` base (also under
+    ``Independent``), parameters held fixed, rounded as autograd rounds it; None for any
+    other base (a subclass that changes ``log_prob`` included).
+
+    Example::
+
+        >>> import torch, pyro.distributions as dist
+        >>> base = dist.Normal(torch.zeros(2), 2.0).to_event(1)
+        >>> normal_base_grad(base, torch.tensor([1.0, -2.0]))
+        tensor([-0.2500,  0.5000])
+        >>> normal_base_grad(dist.Laplace(0.0, 1.0), torch.tensor(1.0)) is None
+        True
+    """
+    while type(base).log_prob is Independent.log_prob:
+        base = base.base_dist
+    if type(base).log_prob is not Normal.log_prob:
+        return None
+    with torch.no_grad():
+        scale = base.scale
+        return (base.loc - x) * (scale * scale).reciprocal()
+
+
+def _flatten(transforms) -> list:
+    out = []
+    for t in transforms:
+        if isinstance(t, TT.ComposeTransform):
+            out.extend(_flatten(t.parts))
+        else:
+            out.append(t)
+    return out
+
+
+class FlowPath:
+    r"""The forward path of one ``TransformedDistribution`` sample: ``x_0 -> x_1 -> ... -> x_n = y``.
+
+    ``xs`` are the tensors the sample was drawn with (``ComposeTransform`` flattened into
+    its parts). ``target`` is :math:`x_k`, the output of the last transform that holds
+    parameters (or depends on upstream tensors): the pathwise gradient is sent there, as
+    :math:`\nabla_{x_k} \log q(T_{>k}(x_k))`, the trailing parameter-free transforms
+    entering through one VJP of their ``log|det J|``.
+    """
+
+    def __init__(self, fn: TransformedDistribution, xs: list[torch.Tensor], k: int):
+        self.fn = fn
+        self.leaves = _flatten(fn.transforms)
+        self.xs = xs
+        self.k = k
+        spans, i = [], 0
+        for t in fn.transforms:
+            n = len(_flatten([t]))
+            spans.append((i, i + n))
+            i += n
+        self.spans = spans
+        self._base_lp = None
+
+    @property
+    def target(self) -> torch.Tensor:
+        return self.xs[self.k]
+
+    @property
+    def value(self) -> torch.Tensor:
+        return self.xs[-1]
+
+    def log_prob(self) -> torch.Tensor:
+        """``fn.log_prob(y)`` from the path (the same operations as with the transforms' caches)."""
+        fn = self.fn
+        event_dim = len(fn.event_shape)
+        lp: torch.Tensor | float = 0.0
+        for t, (a, b) in zip(reversed(fn.transforms), reversed(self.spans)):
+            event_dim += t.domain.event_dim - t.codomain.event_dim
+            ladj = t.log_abs_det_jacobian(self.xs[a], self.xs[b])
+            lp = lp - sum_rightmost(ladj, event_dim - t.domain.event_dim)
+        self._base_lp = fn.base_dist.log_prob(self.xs[0])
+        return lp + sum_rightmost(self._base_lp, event_dim - len(fn.base_dist.event_shape))
+
+    def base_grad(self) -> torch.Tensor:
+        r""":math:`\nabla_{x_0} \log q_0(x_0)` with the parameters held fixed.
+
+        In closed form for a ``Normal`` base (also under ``Independent``),
+        :math:`(\mu - x_0) / \sigma^2`; through autograd for any other.
+        """
+        x0 = self.xs[0]
+        g = normal_base_grad(self.fn.base_dist, x0.detach())
+        if g is not None:
+            return g
+        if x0.requires_grad and self._base_lp is not None and self._base_lp.requires_grad:
+            lp, x = self._base_lp, x0
+        else:
+            x = x0.detach().requires_grad_()
+            with torch.enable_grad():
+                lp = self.fn.base_dist.log_prob(x)
+        (g,) = torch.autograd.grad(lp, [x], torch.ones_like(lp), retain_graph=True)
+        return g.detach()
+
+    def carry(self, g: torch.Tensor, stop: int) -> torch.Tensor:
+        """Apply the rules of leaves ``0 .. stop-1`` to ``g`` (the gradient at ``x_0``)."""
+        for i in range(stop):
+            t = self.leaves[i]
+            rule = flow_rule(t)
+            if rule is None:
+                raise NotImplementedError(f"no forward pathwise rule for {type(t).__name__}")
+            g = rule(FlowLayer(t, self.xs[i], self.xs[i + 1]), g)
+        return g
+
+    def target_grad(self) -> torch.Tensor:
+        r""":math:`\nabla_{x_k} \log q(T_{>k}(x_k))`, parameters held fixed (forward-carried)."""
+        g = self.carry(self.base_grad(), self.k)
+        if self.k == len(self.leaves):
+            return g
+        xk = self.target
+        if xk.requires_grad:
+            x, xs, tail = xk, self.xs[self.k :], self.leaves[self.k :]
+        else:  # re-run the parameter-free tail from a detached copy
+            x = xk.detach().requires_grad_()
+            xs, tail = [x], [_fresh(t) for t in self.leaves[self.k :]]
+            with torch.enable_grad():
+                for t in tail:
+                    xs.append(t(xs[-1]))
+        with torch.enable_grad():
+            s = sum(t.log_abs_det_jacobian(a, b).sum() for t, a, b in zip(tail, xs[:-1], xs[1:]))
+        if torch.is_tensor(s) and s.requires_grad:
+            (d,) = torch.autograd.grad(s, [x], retain_graph=True, allow_unused=True)
+            if d is not None:
+                g = g - d.detach()
+        return g
+
+
+def _holds_params(obj, seen: set) -> bool:
+    """Whether ``obj`` holds, or computes from, a tensor that requires grad."""
+    if id(obj) in seen:
+        return False
+    seen.add(id(obj))
+    if torch.is_tensor(obj):
+        return obj.requires_grad
+    if isinstance(obj, torch.nn.Module):
+        if any(True for _ in obj.parameters()):
+            return True
+        return any(
+            _holds_params(v, seen)
+            for k, v in vars(obj).items()
+            if k not in ("_parameters", "_buffers", "_modules")
+        ) or any(_holds_params(m, seen) for m in obj.children())
+    if isinstance(obj, TT.Transform):
+        return any(_holds_params(v, seen) for v in vars(obj).values())
+    if isinstance(obj, (list, tuple)):
+        return any(_holds_params(v, seen) for v in obj)
+    if isinstance(obj, dict):
+        return any(_holds_params(v, seen) for v in obj.values())
+    if isinstance(obj, functools.partial):
+        return (
+            _holds_params(obj.func, seen)
+            or any(_holds_params(a, seen) for a in obj.args)
+            or any(_holds_params(a, seen) for a in obj.keywords.values())
+        )
+    if inspect.ismethod(obj):
+        return _holds_params(obj.__self__, seen)
+    return False
+
+
+def holds_params(t) -> bool:
+    """Whether a transform holds parameters, or tensors computed from them (conditioned flows)."""
+    return _holds_params(t, set())
+
+
+def _split_index(leaves) -> int:
+    k = 0
+    for i, t in enumerate(leaves):
+        if holds_params(t):
+            k = i + 1
+    return k
+
+
+def supported(fn: TransformedDistribution) -> bool:
+    """Whether every transform up to the last parametrized one has a rule (and one has parameters)."""
+    leaves = _flatten(fn.transforms)
+    k = _split_index(leaves)
+    return k > 0 and all(flow_rule(t) is not None for t in leaves[:k])
+
+
+class _Anchor(torch.autograd.Function):
+    """Identity whose output requires grad: a graph to VJP through from a sample with no parameters."""
+
+    @staticmethod
+    def forward(ctx, x, dummy):  # type: ignore[override]
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return None, None
+
+
+def forward_path(fn: TransformedDistribution, sample_shape=_EMPTY) -> FlowPath:
+    """``fn.rsample(sample_shape)``, recording the path (the same operations).
+
+    A base sample that does not require grad is passed through an identity node whose
+    output does, so that the first layer's VJPs can run through the sampling graph.
+    """
+    x = fn.base_dist.rsample(sample_shape)
+    if not x.requires_grad and torch.is_grad_enabled():
+        x = _Anchor.apply(x, x.new_zeros(()).requires_grad_())
+    xs = [x]
+    for t in _flatten(fn.transforms):
+        xs.append(t(xs[-1]))
+    _set_compose_caches(fn.transforms, xs, 0)
+    return FlowPath(fn, xs, _split_index(_flatten(fn.transforms)))
+
+
+def _set_compose_caches(transforms, xs, i) -> int:
+    for t in transforms:
+        n = len(_flatten([t]))
+        if isinstance(t, TT.ComposeTransform):
+            _set_compose_caches(t.parts, xs, i)
+            if transform_cache(t) is not None:
+                set_transform_cache(t, xs[i], xs[i + n])
+        i += n
+    return i
+
+
+def cached_path(fn: TransformedDistribution, value: torch.Tensor) -> FlowPath | None:
+    """The path of ``value`` recovered from the transforms' caches (``fn.rsample()``'s output), or None."""
+    leaves = _flatten(fn.transforms)
+    xs = [value]
+    for t in reversed(leaves):
+        c = t.base_transform if isinstance(t, TT.IndependentTransform) else t
+        cx, cy = transform_cache(c) or (None, None)
+        if cy is not xs[-1] or cx is None:
+            return None
+        xs.append(cx)
+    return FlowPath(fn, xs[::-1], _split_index(leaves))
+
+
+def flow_grad(fn: TransformedDistribution, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""``(y, g_y)``: the sample :math:`y = T(x)` and :math:`\nabla_y \log q(y)`, carried forward.
+
+    .. math::
+
+        g_y = J_{T_n}^{-T}(g_{x_{n-1}} - \nabla \log|\det J_{T_n}|) \circ \dots,
+        \qquad g_{x_0} = \nabla_{x_0} \log q_0(x_0),
+
+    parameters held fixed, no inverse. Every transform needs a rule.
+
+    Example::
+
+        >>> import torch, pyro.distributions as dist, pyro.distributions.transforms as T
+        >>> q = dist.TransformedDistribution(
+        ...     dist.Normal(torch.zeros(2), 1.0).to_event(1), [T.planar(2), T.radial(2)])
+        >>> x = torch.randn(2)
+        >>> y, g = flow_grad(q, x)  # no inverse: Planar and Radial have none
+        >>> g.shape
+        torch.Size([2])
+    """
+    xs = [x]
+    with torch.enable_grad():
+        if not x.requires_grad:
+            xs = [x.detach().requires_grad_()]
+        for t in _flatten(fn.transforms):
+            xs.append(t(xs[-1]))
+    path = FlowPath(fn, xs, len(xs) - 1)
+    return xs[-1].detach(), path.carry(path.base_grad(), len(path.leaves))
+
+
+def evaluate(path: FlowPath, grad_mode: bool):
+    """``(log_prob, g, score)`` of a path: the value, the forward-carried gradient at the target
+    (None without grad mode) and the score part ``log q(stop(y); phi)``."""
+    lp = path.log_prob()
+    if not grad_mode:
+        return lp, None, lp
+    g = path.target_grad()
+    target = path.target
+    pad = target.dim() - lp.dim()
+    s = g * target
+    if pad > 0:
+        s = s.reshape(s.shape[: s.dim() - pad] + (-1,)).sum(-1)
+    score = lp - s + s.detach()
+    return lp, g, score

@@ -1,0 +1,232 @@
+r"""The rule registry, and the closed-form rules: elementwise, orthogonal, low-rank, coupling.
+
+A rule ``fn(layer, g_x) -> g_y`` applies
+:math:`g_y = J(x)^{-T}(g_x - \nabla_x \log|\det J(x)|)` for one transform class
+(:func:`register_flow_rule`); :data:`RULES_TABLE` lists the built-in ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pyro.distributions.transforms as PT
+import torch
+import torch.nn.functional as F
+from pyro.distributions.transforms.householder import ConditionedHouseholder
+from pyro.distributions.transforms.planar import ConditionedPlanar
+from pyro.distributions.transforms.radial import ConditionedRadial
+from pyro.distributions.transforms.spline import ConditionedSpline
+from torch.distributions import transforms as TT
+
+from ..._compat import cached_log_scale, conditioned_params, module_attr
+
+_RULES: dict[type, Callable] = {}
+
+#: ``(transform, rule, cost)`` of the built-in rules (the README's table).
+RULES_TABLE: list[tuple[str, str, str]] = []
+
+
+def register_flow_rule(*transform_types: type, rule: str = "", cost: str = ""):
+    r"""Register ``fn(layer, g_x) -> g_y`` as the forward rule of ``transform_types`` (and subclasses).
+
+    ``fn`` receives a :class:`~pyro_gradroute.distributions.flows.FlowLayer` and
+    :math:`g_x = \nabla_x \log q(x)` (detached, shaped like ``layer.x``) and returns
+    :math:`g_y = J(x)^{-T}(g_x - \nabla_x \log|\det J(x)|)` shaped like ``layer.y``.
+    A later registration for a class replaces an earlier one.
+
+    Example (a user transform ``y = 2 x``)::
+
+        >>> import torch
+        >>> from torch.distributions.transforms import Transform
+        >>> from torch.distributions import constraints
+        >>> class Double(Transform):
+        ...     domain = codomain = constraints.real
+        ...     bijective = True
+        ...     def _call(self, x): return 2 * x
+        ...     def log_abs_det_jacobian(self, x, y): return torch.full_like(x, 0.6931471805599453)
+        >>> @register_flow_rule(Double, rule="diagonal", cost="O(D)")
+        ... def _double(layer, g):
+        ...     return g / 2  # J = 2 I, log|det J| constant
+        >>> flow_rule(Double()) is _double
+        True
+    """
+    if not transform_types:
+        raise TypeError(
+            "register_flow_rule needs at least one transform class: "
+            "@register_flow_rule(MyTransform, rule=..., cost=...)"
+        )
+    bad = [t for t in transform_types if not (isinstance(t, type) and issubclass(t, TT.Transform))]
+    if bad:
+        raise TypeError(
+            f"register_flow_rule expects torch Transform classes, got {bad[0]!r}; pass the class "
+            "itself: @register_flow_rule(MyTransform, rule=..., cost=...)"
+        )
+
+    def deco(fn):
+        if not callable(fn):
+            raise TypeError(f"register_flow_rule: the rule must be a function, got {fn!r}")
+        for t in transform_types:
+            _RULES[t] = fn
+            if rule:
+                RULES_TABLE.append((t.__name__, rule, cost))
+        return fn
+
+    return deco
+
+
+def flow_rule(transform) -> Callable | None:
+    """The rule registered for ``transform``'s class (nearest in its MRO), or None.
+
+    An ``IndependentTransform`` has a rule when its base transform has one.
+    """
+    for cls in type(transform).__mro__:
+        r = _RULES.get(cls)
+        if r is not None:
+            if r is _independent and flow_rule(transform.base_transform) is None:
+                return None
+            return r
+    return None
+
+
+def _params(t, names):
+    """The (detached) parameters of a Planar/Radial transform: its own, or its conditioned ones."""
+    if isinstance(t, torch.nn.Module):
+        p = tuple(module_attr(t, n) for n in names)
+    else:
+        p = conditioned_params(t)
+    return tuple(v.detach() if torch.is_tensor(v) else v for v in p)
+
+
+def _dot(a, b):
+    return (a * b).sum(-1, keepdim=True)
+
+
+@register_flow_rule(TT.IndependentTransform, rule="the base transform's rule", cost="base's")
+def _independent(layer, g):
+    base = layer.transform.base_transform
+    return flow_rule(base)(layer.sub(base), g)
+
+
+@register_flow_rule(TT.AffineTransform, rule="diagonal: g / scale", cost="O(D)")
+def _affine(layer, g):
+    s = layer.transform.scale
+    return g / (s.detach() if torch.is_tensor(s) else s)
+
+
+@register_flow_rule(TT.ExpTransform, rule="diagonal: (g - 1) / y", cost="O(D)")
+def _exp(layer, g):
+    return (g - 1) / layer.y
+
+
+@register_flow_rule(
+    TT.SigmoidTransform,
+    TT.TanhTransform,
+    TT.SoftplusTransform,
+    ConditionedSpline,
+    PT.ELUTransform,
+    PT.LeakyReLUTransform,
+    PT.SoftplusTransform,
+    rule="diagonal: (g - grad ladj) * exp(-ladj)",
+    cost="O(D), one VJP through ladj",
+)
+def _elementwise(layer, g):
+    """Increasing elementwise ``y_i = f(x_i)``: ``J = diag(exp(ladj))``, one VJP through ladj."""
+    return (g - layer.vjp()) * torch.exp(-layer.ladj)
+
+
+@register_flow_rule(PT.Permute, rule="permutation: g[perm]", cost="O(D)")
+def _permute(layer, g):
+    t = layer.transform
+    return g.index_select(t.dim, t.permutation)
+
+
+@register_flow_rule(TT.ReshapeTransform, rule="reshape g", cost="O(D)")
+def _reshape(layer, g):
+    return layer.transform._call(g)
+
+
+@register_flow_rule(PT.LowerCholeskyAffine, rule="triangular solve L^T g_y = g", cost="O(D^2)")
+def _lca(layer, g):
+    L = layer.transform.scale_tril.detach()
+    return torch.linalg.solve_triangular(L.mT, g.unsqueeze(-1), upper=True).squeeze(-1)
+
+
+@register_flow_rule(ConditionedHouseholder, rule="orthogonal: g_y = H g", cost="O(KD)")
+def _householder(layer, g):
+    with torch.no_grad():
+        return ConditionedHouseholder._call(layer.transform, g)
+
+
+@register_flow_rule(ConditionedPlanar, rule="Sherman-Morrison, closed form", cost="O(D)")
+def _planar(layer, g):
+    # y = x + u_hat tanh(w.x + b):  J = I + u_hat psi^T, psi = tanh'(a) w, det J = 1 + psi.u_hat
+    t = layer.transform
+    with torch.no_grad():
+        bias, u, w = _params(t, ("bias", "u", "w"))
+        act = torch.tanh(_dot(w, layer.x) + bias)
+        dact = 1 - act * act
+        uh = t.u_hat(u, w)
+        wu = _dot(w, uh)
+        den = 1 + dact * wu
+        # g - grad log|det J| = g + (2 act dact wu / den) w;  then Sherman-Morrison
+        r = torch.addcmul(g, 2 * act * dact * wu / den, w)
+        return r - (dact * _dot(uh, r) / den) * w
+
+
+@register_flow_rule(ConditionedRadial, rule="Sherman-Morrison, closed form", cost="O(D)")
+def _radial(layer, g):
+    # y = x + beta h(r) z, z = x - x0: J = a I + c z z^T (symmetric), a = 1 + beta h,
+    # c = beta h'(r) / r
+    t = layer.transform
+    r_ = g - layer.vjp()
+    with torch.no_grad():
+        x0, alpha_prime, beta_prime = _params(t, ("x0", "alpha_prime", "beta_prime"))
+        alpha = F.softplus(alpha_prime)
+        beta = -alpha + F.softplus(beta_prime)
+        z = layer.x - x0
+        r = z.norm(dim=-1, keepdim=True)
+        h = 1 / (alpha + r)
+        a = 1 + beta * h
+        c = -beta * h * h / r
+        return (r_ - c * z * _dot(z, r_) / (a + c * r * r)) / a
+
+
+@register_flow_rule(PT.Sylvester, rule="Woodbury: one batched DxD solve", cost="O(D^3)")
+def _sylvester(layer, g):
+    # Pyro's row-vector form y = x + tanh(x B + b) A, A = Q R, B = S Q^T, Q = H_1 ... H_K:
+    # dy/dx = I + B diag(tanh') A; Pyro's log|det J| = sum log1p(tanh' diag(R) diag(S) + 1e-8)
+    names = ("u_unnormed", "R_dense", "R_diag", "S_dense", "S_diag", "triangular_mask", "b")
+    u, R, rd, S, sd, mask, b = (module_attr(layer.transform, n).detach() for n in names)
+    with torch.no_grad():
+        rd, sd = torch.tanh(rd), torch.tanh(sd)
+        A = torch.diagonal_scatter(R * mask, rd)  # R, then Q R
+        B = torch.diagonal_scatter(S * mask, sd)  # S, then S Q^T
+        u = u / torch.linalg.norm(u, ord=2, dim=-1, keepdim=True)
+        for k in range(u.size(-2) - 1, -1, -1):  # H v = v - 2 u (u.v): O(D^2) each
+            A = torch.addr(A, u[k], u[k] @ A, alpha=-2.0)
+            B = torch.addr(B, B @ u[k], u[k], alpha=-2.0)
+        th = torch.tanh(layer.x @ B + b)
+        dact = 1 - th * th
+        rs = rd * sd
+        # g - grad log|det J| = g + B (2 th dact rs / (1 + dact rs + 1e-8))
+        r = g + (2 * th * dact * rs / (1 + dact * rs + 1e-8)) @ B.mT
+        M = (B * dact.unsqueeze(-2)) @ A
+        M.diagonal(dim1=-2, dim2=-1).add_(1)
+        return torch.linalg.solve(M, r.unsqueeze(-1)).squeeze(-1)
+
+
+@register_flow_rule(PT.AffineCoupling, rule="coupling: closed form + one VJP", cost="one VJP")
+def _affine_coupling(layer, g):
+    # y1 = x1, y2 = exp(s(x1)) x2 + m(x1): g_y2 = g_x2 exp(-s), g_y1 = g_x1 - d/dx1[ladj + <g_y2, y2>]
+    t = layer.transform
+    d, k = t.dim, t.split_dim
+    n = g.size(d) - k
+    out = torch.zeros_like(g)
+    torch.mul(
+        g.narrow(d, k, n),
+        torch.exp(-cached_log_scale(layer.evaluated).detach()),
+        out=out.narrow(d, k, n),
+    )
+    v = layer.vjp(out)
+    torch.sub(g.narrow(d, 0, k), v.narrow(d, 0, k), out=out.narrow(d, 0, k))
+    return out
