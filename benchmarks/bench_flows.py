@@ -1,6 +1,7 @@
 """Flow guides: STL / Trace_ELBO and DReG / IWAE step time, and the triangular-solve iteration counts.
 
-Run: ``python benchmarks/bench_flows.py`` (add ``--quick`` for a short run, a few minutes).
+Run: ``python benchmarks/bench_flows.py`` (add ``--quick`` for a short run, a few minutes;
+``--only NAME`` for the guides whose name contains NAME, ``--no-solves`` to skip (b)).
 
 (a) Per-step time of ``TraceSTL_ELBO`` over Pyro's ``Trace_ELBO`` (8 vectorized particles)
 and of ``TraceDReG_ELBO`` over Pyro's ``RenyiELBO(alpha=0)`` (IWAE, K=16), side by side
@@ -58,9 +59,10 @@ GUIDES = {
 
 
 def time_interleaved(fns, rounds, warmup=3):
-    """Median CPU seconds (``time.process_time``) per call, calls interleaved round by round.
+    """Median CPU seconds (``time.thread_time``) per call, calls interleaved round by round.
 
-    CPU time rather than wall time: on a shared machine other processes' load stays out.
+    CPU time of this thread rather than wall time: on a shared machine other processes'
+    load stays out.
     """
     for _ in range(warmup):
         for fn in fns.values():
@@ -68,9 +70,9 @@ def time_interleaved(fns, rounds, warmup=3):
     times = {k: [] for k in fns}
     for _ in range(rounds):
         for k, fn in fns.items():
-            t0 = time.process_time()
+            t0 = time.thread_time()
             fn()
-            times[k].append(time.process_time() - t0)
+            times[k].append(time.thread_time() - t0)
     return {k: statistics.median(v) for k, v in times.items()}
 
 
@@ -133,12 +135,16 @@ def main(argv=None):
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--quick", action="store_true", help="fewer rounds and training steps")
+    ap.add_argument("--only", action="append", help="guides whose name contains this")
+    ap.add_argument("--dims", type=int, nargs="+", default=[4, 16, 64])
+    ap.add_argument("--no-solves", action="store_true", help="skip (b)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     rounds = 20 if args.quick else 100
     rows = []
-    for name in GUIDES:
-        for D in (4, 16, 64):
+    names = [n for n in GUIDES if not args.only or any(o in n for o in args.only)]
+    for name in names:
+        for D in args.dims:
             stl, dreg, base = bench_step_time(name, D, rounds)
             rows.append((name, D, f"{stl:.2f}", f"{dreg:.2f}", f"{1e3 * base:.1f}"))
             print(*rows[-1], flush=True)
@@ -147,6 +153,8 @@ def main(argv=None):
     print_table(
         rows, ("guide", "D", "STL/Trace (8 particles)", "DReG/IWAE (K=16)", "Trace ms/step")
     )
+    if args.no_solves:
+        return
     steps = 500 if args.quick else 2000
     init, trained, D = iteration_counts(steps)
     print()
