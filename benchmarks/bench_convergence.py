@@ -4,7 +4,8 @@ Run: ``python benchmarks/bench_convergence.py --quick`` (under 10 minutes on 2 c
 ``--full`` (every model at its script's settings); ``--json PATH`` writes the results.
 
 Models (each built afresh from the seed, so every estimator of a seed index starts from the
-same initialisation and draws from the same seed: paired seeds):
+same initialisation and draws from the same seed: paired seeds; a seed's estimators run back to
+back, so the machine's load drifts alike over all of them):
 
 * ``eight_schools``: Pyro's ``examples/eight_schools/svi.py`` -- its model, its guide with the
   ``0.1 * rand`` scales, Adam lr 0.01, 1000 steps (``eta``'s parameters of shape ``(J,)``,
@@ -465,21 +466,20 @@ def main() -> None:
     t_start = time.perf_counter()
     results: dict = {}
     for model in models:
-        results[model] = {}
-        for est in ests:
-            only = ESTIMATORS[est][1]
-            if only is not None and model not in only:
-                continue
-            runs = []
-            for seed in range(args.seeds):
+        applies = [e for e in ests if ESTIMATORS[e][1] is None or model in ESTIMATORS[e][1]]
+        runs: dict = {e: [] for e in applies}
+        # seeds outermost: a seed's estimators run back to back, so a change in the machine's
+        # load between seeds falls on every estimator alike (the CPU times are paired too)
+        for seed in range(args.seeds):
+            for est in applies:
+                if len(runs[est]) < seed:
+                    continue  # an estimator that does not apply to the model (run_cell: None)
                 r = run_cell(model, est, seed, cfg)
-                if r is None:
-                    break
-                runs.append(r)
-            if runs:
-                results[model][est] = runs
-            print(f"{model:>14} {est:>10}: {len(runs)} seeds, "
-                  f"{time.perf_counter() - t_start:.0f} s elapsed", flush=True)  # fmt: skip
+                if r is not None:
+                    runs[est].append(r)
+        results[model] = {e: r for e, r in runs.items() if r}
+        print(f"{model:>14}: {args.seeds} seeds x {len(results[model])} estimators, "
+              f"{time.perf_counter() - t_start:.0f} s elapsed", flush=True)  # fmt: skip
     rows = summarize(results)
     with open(args.json, "w") as f:
         json.dump({"mode": "quick" if args.quick else "full", "rows": rows, "runs": results}, f)
