@@ -9,6 +9,9 @@ for a frozen ``b`` the same-draw reference is ``(1 - b) * STL + b * Trace`` (Pyr
   (the policy starts at ``b = 1``);
 * ``frozen``: with ``b`` frozen at -0.5 and at 2 the gradient equals the same-draw reference
   above (so the mean gradient is ``Trace_ELBO``'s for any frozen ``b``);
+* ``direct``: a direct step (the policy predicts the better endpoint is within ``mix_gain`` of
+  the mixed weights) equals Pyro's ``Trace_ELBO`` / the STL reference on the same seed, for a
+  forced choice of each endpoint;
 * ``zero``: at the exact posterior (where the guide family holds it) the default policy moves to
   STL after its warm-up, and the guide parameters' gradient is then zero to round-off.
 """
@@ -100,6 +103,51 @@ def check_frozen(case):
                 )
 
 
+def _stl_reference(c, case, seed):
+    try:
+        return stl_reference_grad(c, "STL", seed, c.model, c.guide)
+    except NoSameDrawReference:  # see check_frozen
+        P = case.particles
+        stl_elbo = TraceSTL_ELBO(
+            num_particles=P, vectorize_particles=P > 1, max_plate_nesting=case.max_plate_nesting
+        )
+        return _ours(c, stl_elbo, seed)
+
+
+def check_direct(case):
+    with cell(case) as c:
+        if _probe(c, "Adaptive", c.model, c.guide, case.raise_for("Adaptive", False)):
+            return
+        rtol, atol = _tols(case.dtype)
+        for end in (1.0, 0.0):
+            elbo = _default(case)
+            for seed in (100, 101):  # create the moments (the residual ones on the second)
+                _ours(c, elbo, seed)
+            if not elbo._cv.state:
+                return  # no score part anywhere: nothing to choose
+            for st in elbo._cv.state.values():  # settled, mixed weights, endpoint predicted as good
+                st["n"], st["age"] = 10**6, -(10**6)
+                fit = elbo._cv._fit(st)
+                fit["b"] = torch.full_like(fit["b"], 0.5)
+                fit["direct"] = end
+                st["fit"] = fit
+            elbo._unmeasured = 0  # the next step is a direct one
+            g = _ours(c, elbo, 1)
+            if end == 1.0:
+                ref = reference_grad(c, "Trace", 1, c.model, c.guide)
+            else:
+                ref = _stl_reference(c, case, 1)
+            torch.testing.assert_close(
+                g,
+                ref,
+                rtol=rtol * 10,
+                atol=atol * 10,
+                msg=lambda m, end=end: (
+                    f"{case.name}: direct step at b = {end} != its reference\n{m}"
+                ),
+            )
+
+
 def check_zero(case):
     with cell(case) as c:
         if _probe(c, "Adaptive", c.model, c.guide, case.raise_for("Adaptive", False)):
@@ -124,7 +172,7 @@ def _cells():
         spec = case.raise_for("Adaptive", False)
         if spec is not None and not spec.optional:
             continue  # the matrix's raises cells cover these
-        out += [(case, "first"), (case, "frozen")]
+        out += [(case, "first"), (case, "frozen"), (case, "direct")]
         if case.build_has_exact:
             out.append((case, "zero"))
     return out
@@ -135,4 +183,5 @@ CELLS = _cells()
 
 @pytest.mark.parametrize("case, check", CELLS, ids=[f"{c.name}-{k}" for c, k in CELLS])
 def test_adaptive_policy(case, check):
-    {"first": check_first, "frozen": check_frozen, "zero": check_zero}[check](case)
+    checks = {"first": check_first, "frozen": check_frozen, "direct": check_direct}
+    {**checks, "zero": check_zero}[check](case)
