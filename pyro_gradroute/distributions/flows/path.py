@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
+import itertools
 import types
 
 import torch
@@ -167,12 +168,8 @@ class FlowPath:
         self.leaves = _flatten(fn.transforms)
         self.xs = xs
         self.k = k
-        spans, i = [], 0
-        for t in fn.transforms:
-            n = len(_flatten([t]))
-            spans.append((i, i + n))
-            i += n
-        self.spans = spans
+        ends = list(itertools.accumulate((len(_flatten([t])) for t in fn.transforms), initial=0))
+        self.spans = list(zip(ends[:-1], ends[1:]))  # each transform's (input, output) in xs
         self._base_lp = None
 
     @property
@@ -254,29 +251,26 @@ def _holds_params(obj, seen: set) -> bool:
     seen.add(id(obj))
     if torch.is_tensor(obj):
         return obj.requires_grad
-    if isinstance(obj, torch.nn.Module):
-        if any(True for _ in obj.parameters()):
-            return True
-        return any(
-            _holds_params(v, seen)
-            for k, v in vars(obj).items()
-            if k not in ("_parameters", "_buffers", "_modules")
-        ) or any(_holds_params(m, seen) for m in obj.children())
-    if isinstance(obj, TT.Transform):
-        return any(_holds_params(v, seen) for v in vars(obj).values())
-    if isinstance(obj, (list, tuple)):
-        return any(_holds_params(v, seen) for v in obj)
-    if isinstance(obj, dict):
-        return any(_holds_params(v, seen) for v in obj.values())
+    if isinstance(obj, torch.nn.Module) and any(True for _ in obj.parameters()):
+        return True
     if isinstance(obj, functools.partial):
-        return (
-            _holds_params(obj.func, seen)
-            or any(_holds_params(a, seen) for a in obj.args)
-            or any(_holds_params(a, seen) for a in obj.keywords.values())
-        )
-    if inspect.ismethod(obj):
-        return _holds_params(obj.__self__, seen)
-    return False
+        parts = [obj.func, *obj.args, *obj.keywords.values()]
+    elif inspect.ismethod(obj):
+        parts = [obj.__self__]
+    elif isinstance(obj, (list, tuple)):
+        parts = obj
+    elif isinstance(obj, dict):
+        parts = obj.values()
+    elif isinstance(obj, torch.nn.Module):  # its attributes and sub-modules (no parameters)
+        parts = [
+            v for k, v in vars(obj).items() if k not in ("_parameters", "_buffers", "_modules")
+        ]
+        parts += list(obj.children())
+    elif isinstance(obj, TT.Transform):
+        parts = vars(obj).values()
+    else:
+        return False
+    return any(_holds_params(v, seen) for v in parts)
 
 
 def holds_params(t) -> bool:

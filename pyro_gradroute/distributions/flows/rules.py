@@ -210,9 +210,10 @@ def _sylvester(layer, g):
         rs = rd * sd
         # g - grad log|det J| = g + B (2 th dact rs / (1 + dact rs + 1e-8))
         r = g + (2 * th * dact * rs / (1 + dact * rs + 1e-8)) @ B.mT
-        M = (B * dact.unsqueeze(-2)) @ A
-        M.diagonal(dim1=-2, dim2=-1).add_(1)
-        return torch.linalg.solve(M, r.unsqueeze(-1)).squeeze(-1)
+        # M^T = I + A^T diag(tanh') B^T, so that M = Mt.mT is laid out as LAPACK takes it
+        Mt = (A.mT * dact.unsqueeze(-2)) @ B.mT
+        Mt.diagonal(dim1=-2, dim2=-1).add_(1)
+        return torch.linalg.solve(Mt.mT, r.unsqueeze(-1)).squeeze(-1)
 
 
 @register_flow_rule(PT.AffineCoupling, rule="coupling: closed form + one VJP", cost="one VJP")
