@@ -279,11 +279,8 @@ def holds_params(t) -> bool:
 
 
 def _split_index(leaves) -> int:
-    k = 0
-    for i, t in enumerate(leaves):
-        if holds_params(t):
-            k = i + 1
-    return k
+    """One past the last leaf that holds parameters (0: none does)."""
+    return max((i + 1 for i, t in enumerate(leaves) if holds_params(t)), default=0)
 
 
 def supported(fn: TransformedDistribution) -> bool:
