@@ -9,6 +9,7 @@ one vector-Jacobian product per iteration, exact after at most :math:`D` iterati
 from __future__ import annotations
 
 import contextlib
+import math
 import numbers
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -163,9 +164,7 @@ def triangular_solve(
         F = layer.vjp
     inv_diag = torch.exp(-log_diag)
     e = max(layer.event_dim, 1)
-    n = 1
-    for s in g.shape[g.dim() - e :]:
-        n *= s
+    n = math.prod(g.shape[g.dim() - e :])
     gy = (g - F(None)) * inv_diag
     it = 1
     if depth is not None:
@@ -181,11 +180,7 @@ def triangular_solve(
         delta = (g - F(gy)).mul_(inv_diag)
         gy = gy + delta
         it += 1
-        if e > 1:
-            dn = delta.reshape(delta.shape[: delta.dim() - e] + (-1,)).abs().amax(-1)
-            gn = gy.reshape(gy.shape[: gy.dim() - e] + (-1,)).abs().amax(-1)
-        else:
-            dn, gn = delta.abs().amax(-1), gy.abs().amax(-1)
+        dn, gn = delta.flatten(-e).abs().amax(-1), gy.flatten(-e).abs().amax(-1)
         residual = (dn / gn.clamp_min(tiny)).max().item()  # per sample, the worst
         if residual <= rtol:
             break
