@@ -70,7 +70,7 @@ class _ControlVariate:
     ):
         if mix_gain is not None and not (math.isfinite(mix_gain) and mix_gain >= 1.0):
             raise ValueError(
-                f"mix_gain must be a finite variance ratio >= 1 (or None: the mix measures on "
+                f"mix_gain must be a finite ratio of second moments >= 1 (or None: the mix measures on "
                 f"every step), got {mix_gain}"
             )
         self.mix_gain = None if mix_gain is None else float(mix_gain)
@@ -138,11 +138,14 @@ class _ControlVariate:
     def _direct(self, st: dict, b: torch.Tensor) -> float | None:
         r"""The whole estimator (0: STL, 1: ``Trace_ELBO``) a direct step takes, or ``None``.
 
-        From the moments, the total variance :math:`V(b) = \sum_e \operatorname{Var}(p_e)
-        + 2 b_e \operatorname{Cov}(p_e, c_e) + b_e^2 \operatorname{Var}(c_e)` of the fitted
-        weights and of both endpoints: a direct step is worth it when the better endpoint's
-        variance is within ``mix_gain`` of the mix's (the mix's step costs about that much
-        more, so it would not buy more progress per second of CPU).
+        From the moments, the gradient's total second moment
+        :math:`S(b) = \lVert \bar g \rVert^2 + \sum_e \operatorname{Var}(p_e)
+        + 2 b_e \operatorname{Cov}(p_e, c_e) + b_e^2 \operatorname{Var}(c_e)` (the mean
+        :math:`\bar g` of :math:`g_\text{path}` is every weight's mean) at the fitted
+        weights and at both endpoints. A step of a normalized optimizer (Adam) advances by
+        the mean's share of :math:`S`; a direct step is worth it when the better endpoint's
+        :math:`S` is within ``mix_gain`` of the mix's: far from the optimum the mean
+        dominates and the variance the mix removes buys little, near it the variance does.
         """
         if self.mix_gain is None:
             return None
@@ -151,11 +154,12 @@ class _ControlVariate:
         var_p = (st["spp"] / w1 - mp.square()).clamp_min(0)
         cov = st["spc"] / w1 - mp * mc
         var_c = (st["scc"] / w1 - mc.square()).clamp_min(0)
-        v_mix = float((var_p + b * (2 * cov + b * var_c)).sum())
-        v0 = float(var_p.sum())
-        v1 = float((var_p + 2 * cov + var_c).sum())
-        best, v_end = (0.0, v0) if v0 <= v1 else (1.0, v1)
-        return best if v_end <= self.mix_gain * max(v_mix, 0.0) else None
+        mean2 = float(mp.square().sum())
+        s_mix = mean2 + max(float((var_p + b * (2 * cov + b * var_c)).sum()), 0.0)
+        s0 = mean2 + float(var_p.sum())
+        s1 = mean2 + float((var_p + 2 * cov + var_c).sum())
+        best, s_end = (0.0, s0) if s0 <= s1 else (1.0, s1)
+        return best if s_end <= self.mix_gain * s_mix else None
 
     def _ready(self, st: dict | None) -> bool:
         return st is not None and st["n"] > self.warmup and st["qw"] > 0
@@ -221,7 +225,7 @@ class _ControlVariate:
         """``0.0`` / ``1.0``: the whole estimator the next step may take directly (see ``direct``).
 
         That value when every element's ``b`` is exactly it, or when the better endpoint's
-        predicted total variance is within ``mix_gain`` of the fitted weights' (``center``
+        predicted second moment is within ``mix_gain`` of the fitted weights' (``center``
         only); ``None`` while not settled or when the mix pays for its cost.
         """
         st = self.state.get(key)
@@ -842,11 +846,15 @@ class TraceAdaptiveSTL_ELBO(_AdaptiveMixin, TraceSTL_ELBO):
     Once settled (after those 20), three steps in four take STL's or ``Trace_ELBO``'s
     gradient directly (one backward, no moments; the fourth measures both parts) when the
     per-element mix would not pay for that cost: while every weight is exactly 0 or exactly
-    1, or while the better endpoint's predicted total variance
-    :math:`V(e) = \sum_e \operatorname{Var} g_e(e)` is within ``mix_gain`` of the fitted
-    weights' :math:`V(b)` (both from the moments, by the first identity above). The choice
-    comes from earlier steps, so the direct step is unbiased too; it is the estimator with
-    :math:`b \equiv e`.
+    1, or while the better endpoint's predicted total second moment
+    :math:`S(e) = \lVert \mathbb E g \rVert^2 + \sum_e \operatorname{Var} g_e(e)` is
+    within ``mix_gain`` of the fitted weights' :math:`S(b)` (both from the moments, by the
+    first identity above). A normalized optimizer's step advances by the mean's share of
+    :math:`S`: far from the optimum the mean gradient dominates and removing variance buys
+    little, so the cheaper step wins there (eight schools from Pyro's init: the first
+    ~120 steps), while near the optimum the variance dominates and every step measures.
+    The choice comes from earlier steps, so the direct step is unbiased too; it is the
+    estimator with :math:`b \equiv e`.
 
     **Sites.** Sites without a score part (``Delta``, non-reparameterized sites,
     ``infer={"stl": False}``, flows that cannot be split, ``Rejector``-like families with
@@ -900,9 +908,10 @@ class TraceAdaptiveSTL_ELBO(_AdaptiveMixin, TraceSTL_ELBO):
         optimum, where :math:`\mathbb E[g_\text{path}]` is large (five buffers instead of
         eight; no direct steps while the weights are mixed).
     :param distributed: average the parts over ``torch.distributed`` ranks (see above).
-    :param mix_gain: the smallest predicted variance reduction, better endpoint over the
-        fitted mix, for which every step measures; below it three steps in four take the
-        endpoint directly (see **Cost**). ``None``: every step measures while the weights
+    :param mix_gain: the smallest predicted reduction of the gradient's second moment,
+        better endpoint over the fitted mix, for which every step measures; below it three
+        steps in four take the endpoint directly (see **Cost**; 1.25: about what a measured
+        step costs over a direct one). ``None``: every step measures while the weights
         are mixed.
 
     Other arguments are :class:`pyro.infer.Trace_ELBO`'s.

@@ -303,12 +303,12 @@ def test_dreg_starts_at_iwae():
     )
 
 
-def _feed(cv, steps, b_star, noise, gen, shape=(400,), name="p"):
-    """Synthetic parts: g_cv ~ N(0, 1), g_path = 2 - b* g_cv + noise * N(0, 1) (its mean is 2)."""
+def _feed(cv, steps, b_star, noise, gen, shape=(400,), name="p", mean=2.0):
+    """Synthetic parts: g_cv ~ N(0, 1), g_path = mean - b* g_cv + noise * N(0, 1)."""
     parts = []
     for _ in range(steps):
         c = torch.randn(shape, generator=gen, dtype=torch.float64)
-        p = 2.0 - b_star * c + noise * torch.randn(shape, generator=gen, dtype=torch.float64)
+        p = mean - b_star * c + noise * torch.randn(shape, generator=gen, dtype=torch.float64)
         parts.append((p, c))
         cv.update(name, p, c)
     return parts
@@ -615,40 +615,43 @@ def test_settled_at_an_endpoint_measures_one_step_in_four():
 # ------------------------------------------------------------------ direct steps: when the mix does not pay
 
 
-def _predicted_variances(parts, beta, b):
-    """Two-pass weighted total variance sum_e Var(g_path + b g_cv) from the stored parts."""
+def _second_moments(parts, beta, b):
+    """Two-pass ||mean||^2 + sum_e Var(g_path + b g_cv) from the stored parts (weights beta^age)."""
     P = torch.stack([p for p, _ in parts])
     C = torch.stack([c for _, c in parts])
     w = beta ** torch.arange(len(parts) - 1, -1, -1, dtype=torch.float64)[:, None]
     w = w / w.sum()
+    mean2 = float((w * P).sum(0).square().sum())
 
     def var(bb):
         g = P + bb * C
         m = (w * g).sum(0)
         return float((w * (g - m) ** 2).sum())
 
-    return var(b), var(torch.zeros_like(b)), var(torch.ones_like(b))
+    return mean2 + var(b), mean2 + var(torch.zeros_like(b)), mean2 + var(torch.ones_like(b))
 
 
 @pytest.mark.parametrize(
-    "b_star, noise, expect",
+    "b_star, noise, mean, expect",
     [
-        (0.5, 0.05, None),  # the mix removes almost all of both endpoints' variance: measure
-        (0.05, 3.0, 0.0),  # near STL and noisy: the mix gains < 1.25x, take STL directly
-        (0.9, 3.0, 1.0),  # near Trace_ELBO: take Trace_ELBO directly
+        (0.5, 0.05, 0.0, None),  # the mix removes almost all of both endpoints' noise: measure
+        (0.5, 0.05, 5.0, 1.0),  # the same noise beside a large mean gradient: it buys little
+        (0.05, 3.0, 0.0, 0.0),  # near STL and noisy: the mix gains < 1.25x, take STL directly
+        (0.9, 3.0, 0.0, 1.0),  # near Trace_ELBO: take Trace_ELBO directly
     ],
 )
-def test_direct_choice_matches_two_pass_predicted_variances(b_star, noise, expect):
-    """The direct-step rule, against the total variances recomputed from the stored parts."""
+def test_direct_choice_matches_two_pass_second_moments(b_star, noise, mean, expect):
+    """The direct-step rule, against the second moments recomputed from the stored parts."""
     from pyro_gradroute.infer.trace_adaptive_elbo import _ControlVariate
 
     beta = 0.9
     cv = _ControlVariate(decay=beta)
-    parts = _feed(cv, 60, b_star, noise, torch.Generator().manual_seed(3), shape=(50,))
+    gen = torch.Generator().manual_seed(3)
+    parts = _feed(cv, 60, b_star, noise, gen, shape=(50,), mean=mean)
     b = cv.weight("p", torch.zeros(50, dtype=torch.float64))
-    v_mix, v0, v1 = _predicted_variances(parts, beta, b)
-    best, v_end = (0.0, v0) if v0 <= v1 else (1.0, v1)
-    ref = best if v_end <= 1.25 * v_mix else None
+    s_mix, s0, s1 = _second_moments(parts, beta, b)
+    best, s_end = (0.0, s0) if s0 <= s1 else (1.0, s1)
+    ref = best if s_end <= 1.25 * s_mix else None
     assert ref == expect  # the case is what its label says
     assert cv.uniform("p") == expect
     cv.mix_gain = None  # off: only exact endpoints go direct
