@@ -851,8 +851,8 @@ class TraceAdaptiveSTL_ELBO(_AdaptiveMixin, TraceSTL_ELBO):
     within ``mix_gain`` of the fitted weights' :math:`S(b)` (both from the moments, by the
     first identity above). A normalized optimizer's step advances by the mean's share of
     :math:`S`: far from the optimum the mean gradient dominates and removing variance buys
-    little, so the cheaper step wins there (eight schools from Pyro's init: the first
-    ~120 steps), while near the optimum the variance dominates and every step measures.
+    little, so the cheaper step wins there, while near the optimum the variance dominates
+    and every step measures.
     The choice comes from earlier steps, so the direct step is unbiased too; it is the
     estimator with :math:`b \equiv e`.
 
