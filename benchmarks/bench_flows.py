@@ -1,7 +1,8 @@
 """Flow guides: STL / Trace_ELBO and DReG / IWAE step time, and the triangular-solve iteration counts.
 
 Run: ``python benchmarks/bench_flows.py`` (add ``--quick`` for a short run, a few minutes;
-``--only NAME`` for the guides whose name contains NAME, ``--no-solves`` to skip (b)).
+``--only NAME`` for the guides whose name contains NAME, ``--no-solves`` to skip (b),
+``--floor`` to replace the forward-carried gradient by zeros: the general split's own cost).
 
 (a) Per-step time of ``TraceSTL_ELBO`` over Pyro's ``Trace_ELBO`` (8 vectorized particles)
 and of ``TraceDReG_ELBO`` over Pyro's ``RenyiELBO(alpha=0)`` (IWAE, K=16), side by side
@@ -138,7 +139,10 @@ def main(argv=None):
     ap.add_argument("--only", action="append", help="guides whose name contains this")
     ap.add_argument("--dims", type=int, nargs="+", default=[4, 16, 64])
     ap.add_argument("--no-solves", action="store_true", help="skip (b)")
+    ap.add_argument("--floor", action="store_true", help="(a) with the rules' gradient set to 0")
     args = ap.parse_args(argv)
+    if args.floor:  # not an estimator: the cost of everything but the rules
+        flows.FlowPath.target_grad = lambda self: torch.zeros_like(self.target)
     torch.set_num_threads(1)
     rounds = 20 if args.quick else 100
     rows = []
