@@ -148,9 +148,21 @@ def test_forward_gradient_equals_inverse_based_float64(name, float64):
 
 @pytest.mark.parametrize("name", sorted(FLOWS))
 def test_forward_gradient_equals_inverse_based_float32(name):
-    """Float32 against the float64 result: within 1e-5, or no worse than the inverse in float32."""
+    """Float32 against the float64 result: within 1e-5, no worse than the inverse in float32, or
+    within float32's round-off bound for the solve, 4 cond(J) u (u = 2^-24: a backward-stable
+    solve of an ill-conditioned sample loses that much, on every machine's kernels)."""
     q64, x64 = _flow(name)
     _, g64 = flows.flow_grad(q64, x64)
+    leaves = flows._flatten(q64.transforms)
+
+    def forward(z):
+        for t in leaves:
+            z = t._call(z)
+        return z
+
+    cond = max(
+        torch.linalg.cond(torch.autograd.functional.jacobian(forward, xb)).item() for xb in x64
+    )
     old = torch.get_default_dtype()
     torch.set_default_dtype(torch.float32)
     try:
@@ -161,7 +173,7 @@ def test_forward_gradient_equals_inverse_based_float32(name):
     finally:
         torch.set_default_dtype(old)
     ours = _rel(g.double(), g64)
-    assert ours < max(1e-5, 2 * inverse), (ours, inverse)
+    assert ours < max(1e-5, 2 * inverse, 4 * cond * 2.0**-24), (ours, inverse, cond)
 
 
 def _jacobian_reference(t, base, x):
