@@ -78,10 +78,15 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
+from pyro.distributions.delta import Delta
 from pyro.distributions.score_parts import ScoreParts
-from pyro.distributions.torch_distribution import TorchDistributionMixin
+from pyro.distributions.torch_distribution import (
+    ExpandedDistribution,
+    MaskedDistribution,
+    TorchDistributionMixin,
+)
 from pyro.ops.provenance import detach_provenance, get_provenance, track_provenance
-from torch.distributions import Distribution, TransformedDistribution
+from torch.distributions import Distribution, Independent, TransformedDistribution
 from torch.distributions.utils import _sum_rightmost
 
 from . import flows
@@ -438,7 +443,6 @@ def flatten_transformed(fn: Distribution) -> Distribution:
     """
     if not isinstance(fn, TransformedDistribution) or not _default_score_parts(fn):
         return fn
-    from torch.distributions import Independent
     from torch.distributions.transforms import IndependentTransform
 
     base, n = fn.base_dist, 0
@@ -853,13 +857,12 @@ def reaches_leaf_directly(t: torch.Tensor, stops: Sequence[torch.Tensor] = ()) -
 
 def delta_base(fn: Distribution):
     """The :class:`~pyro.distributions.Delta` inside ``fn`` (unwrapping ``Independent``, ``expand``, ``mask``), or None."""
-    from pyro.distributions import Delta
-    from pyro.distributions.torch_distribution import ExpandedDistribution, MaskedDistribution
-    from torch.distributions import Independent
-
-    while isinstance(fn, (Independent, ExpandedDistribution, MaskedDistribution)):
+    # class membership in the MRO: Pyro's classes are ABCs, whose isinstance runs Python code
+    mro = type(fn).__mro__
+    while Independent in mro or ExpandedDistribution in mro or MaskedDistribution in mro:
         fn = fn.base_dist
-    return fn if isinstance(fn, Delta) else None
+        mro = type(fn).__mro__
+    return fn if Delta in mro else None
 
 
 def is_delta(fn: Distribution) -> bool:

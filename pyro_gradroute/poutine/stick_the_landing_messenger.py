@@ -32,14 +32,18 @@ def uses_pathwise(site) -> bool:
     Reparameterized sites do, unless marked ``infer={"stl": False}``;
     ``infer={"stl": True}`` on a site without ``rsample`` is an error naming it.
     """
-    get = site.get if isinstance(site, dict) else lambda k: getattr(site, k)
-    fn = get("fn")
-    fn = fn.base_dist if isinstance(fn, SplitDistribution) else fn
-    stl = get("infer").get("stl", None)
+    if isinstance(site, dict):
+        fn, infer = site["fn"], site["infer"]
+    else:
+        fn, infer = site.fn, site.infer
+    if type(fn) is SplitDistribution:
+        fn = fn.base_dist
+    stl = infer.get("stl", None)
     has_rsample = getattr(fn, "has_rsample", False)
     if stl is True and not has_rsample:
+        name = site["name"] if isinstance(site, dict) else site.name
         raise ValueError(
-            f"Guide site '{get('name')}' is marked infer={{'stl': True}} but its "
+            f"Guide site '{name}' is marked infer={{'stl': True}} but its "
             f"distribution {type(fn).__name__} has no rsample, so it has no "
             "pathwise gradient. Use a reparameterizable family or remove the mark "
             "(non-reparameterized sites get the score-function estimator)."
@@ -211,14 +215,14 @@ class PathwiseDistribution(TorchDistribution):
     arg_constraints: dict = {}
 
     def __init__(self, base_dist, run: _Run, name: str):
-        self.base_dist = base_dist
-        self._run = run
-        self._name = name
-        self._value = None
-        self._parts = None
-        # what Distribution.__init__ sets, without its checks (one wrapper per site and step)
-        self._batch_shape, self._event_shape = base_dist.batch_shape, base_dist.event_shape
-        self._validate_args = False
+        self.__dict__.update(_fields(base_dist, run, name))
+
+    @classmethod
+    def _wrap(cls, base_dist, run: _Run, name: str) -> PathwiseDistribution:
+        """``cls(base_dist, run, name)`` without the metaclass's call (one wrapper per site and step)."""
+        self = object.__new__(cls)
+        self.__dict__.update(_fields(base_dist, run, name))
+        return self
 
     def __getattr__(self, name):
         if name in ("base_dist", "_run", "_name", "_value", "_parts"):
@@ -237,6 +241,12 @@ class PathwiseDistribution(TorchDistribution):
     support = property(lambda self: self.base_dist.support)  # type: ignore[assignment]
     mean = property(lambda self: self.base_dist.mean)
     variance = property(lambda self: self.base_dist.variance)
+
+    def __call__(self, sample_shape=_EMPTY):
+        base = self.base_dist
+        v = base.rsample(sample_shape) if base.has_rsample else base.sample(sample_shape)
+        self._value = v
+        return v
 
     def rsample(self, sample_shape=_EMPTY):
         self._value = self.base_dist.rsample(sample_shape)
@@ -264,8 +274,27 @@ class PathwiseDistribution(TorchDistribution):
         return self.base_dist.log_prob(value, *args, **kwargs) if parts is None else parts.log_prob
 
     def score_parts(self, value, *args, **kwargs):
-        parts = self._pathwise(value)
-        return self.base_dist.score_parts(value, *args, **kwargs) if parts is None else parts
+        parts = self._parts
+        if parts is None or value is not self._value or value is None:
+            return self.base_dist.score_parts(value, *args, **kwargs)
+        if callable(parts):
+            parts()  # evaluates the run's conditional sites, this one included
+            return self.score_parts(value, *args, **kwargs)
+        return parts
+
+
+def _fields(base_dist, run, name) -> dict:
+    # what Distribution.__init__ sets, without its checks
+    return {
+        "base_dist": base_dist,
+        "_run": run,
+        "_name": name,
+        "_value": None,
+        "_parts": None,
+        "_batch_shape": base_dist.batch_shape,
+        "_event_shape": base_dist.event_shape,
+        "_validate_args": False,
+    }
 
 
 @register_kl(PathwiseDistribution, Distribution)
@@ -348,61 +377,77 @@ class StickTheLandingMessenger(SplitMessenger):
         return super().__enter__()
 
     # -- the fast path: Pyro's own draws, pathwise parts from detached copies ---------------
+    # (per site and step: exact type checks, no isinstance against Pyro's ABCs, few calls)
+    def _process_message(self, msg) -> None:
+        if msg["type"] == "sample":
+            self._pyro_sample(msg)
+
+    def _postprocess_message(self, msg) -> None:
+        if msg["type"] == "sample":
+            self._pyro_post_sample(msg)
+
     def _pyro_sample(self, msg) -> None:
-        if not self._latent(msg) or msg["value"] is not None:
+        if msg["value"] is not None or not self._latent(msg):
             return  # observed, or a value another handler supplies (the model, under replay)
         if not self._fast:
             return super()._pyro_sample(msg)
-        fn = _split_of(msg["fn"])
-        if isinstance(fn, (PathwiseDistribution, SplitDistribution)):
+        fn = msg["fn"]
+        gated = type(fn) is GatedDistribution
+        base = fn.base_dist if gated else fn
+        if type(base) is PathwiseDistribution or type(base) is SplitDistribution:
             return
-        wrapped = PathwiseDistribution(fn, self._run, msg["name"])
-        if isinstance(msg["fn"], GatedDistribution):
-            msg["fn"] = GatedDistribution(wrapped, msg["fn"].specs)
-        else:
-            msg["fn"] = wrapped
+        wrapped = PathwiseDistribution._wrap(base, self._run, msg["name"])
+        msg["fn"] = GatedDistribution(wrapped, fn.specs) if gated else wrapped
 
     def _pyro_post_sample(self, msg) -> None:
         if not self._fast:
-            split = _split_of(msg["fn"])
-            value = msg["value"]
-            if (
-                isinstance(split, SplitDistribution)
-                and split.batch is self.batch
-                and torch.is_tensor(value)
-                and value.requires_grad
-                and self._policy.uses_pathwise(msg)
-            ):
-                if self.batch.drew(value):
-                    self._remember(value)
-                elif not self._drew_before(value):
-                    raise _not_drawn(msg["name"])
-            return super()._pyro_post_sample(msg)
-        fn = _split_of(msg["fn"])
-        if not isinstance(fn, PathwiseDistribution) or fn._run is not self._run:
+            return self._general_post_sample(msg)
+        outer = msg["fn"]
+        fn = outer.base_dist if type(outer) is GatedDistribution else outer
+        run = self._run
+        if type(fn) is not PathwiseDistribution or fn._run is not run:
             return
-        value = msg["value"]
+        value, name = msg["value"], msg["name"]
         if not self._policy.uses_pathwise(msg):
-            msg["fn"] = msg["fn"].base_dist if msg["fn"] is fn else msg["fn"]
-            self._run.add(value)
+            if outer is fn:
+                msg["fn"] = fn.base_dist
+            run.add(value)
             return  # the ordinary parts (score-function sites keep Pyro's treatment)
         if value is fn._value:
             self._remember(value)
         elif self._drew_before(value):  # replayed from an earlier run (sequential enumeration)
             fn._value = value
         else:
-            raise _not_drawn(msg["name"])
-        base, name = fn.base_dist, msg["name"]
+            raise _not_drawn(name)
+        base = fn.base_dist
         try:
-            parts = site_pathwise(name, base, value, self._run.earlier, self._run.nodes)
+            parts = site_pathwise(name, base, value, run.earlier, run.nodes)
         except NeedsGeneralSplit:
             parts = self._not_prepared(name)
-        if isinstance(parts, Conditional):
-            self._run.pending.append((fn, parts))
+        if type(parts) is Conditional:
+            run.pending.append((fn, parts))
             parts = self._resolve
+        elif not run.changed and (parts is not None or delta_base(base) is None):
+            run.changed = True  # a random draw
         fn._parts = parts
-        self._run.changed = self._run.changed or delta_base(base) is None
-        self._run.add(value)
+        run.add(value)
+
+    def _general_post_sample(self, msg) -> None:
+        """The learning run: the general split, and a check that each sample is its own draw."""
+        split = _split_of(msg["fn"])
+        value = msg["value"]
+        if (
+            isinstance(split, SplitDistribution)
+            and split.batch is self.batch
+            and torch.is_tensor(value)
+            and value.requires_grad
+            and self._policy.uses_pathwise(msg)
+        ):
+            if self.batch.drew(value):
+                self._remember(value)
+            elif not self._drew_before(value):
+                raise _not_drawn(msg["name"])
+        return super()._pyro_post_sample(msg)
 
     def _remember(self, value: torch.Tensor) -> None:
         """Keep (weakly) a sample this handler drew: a later run may replay it.
