@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import torch
 from pyro.distributions import TorchDistribution
+from pyro.poutine.messenger import unwrap
 from torch.distributions import Distribution, kl_divergence, register_kl
 
 from .._compat import calling_elbo
@@ -115,7 +116,12 @@ class STLPolicy:
         return True
 
     def needs_general(self, guide) -> bool | None:
-        """True / False: the guide is known to need / not need the general split; None: unknown."""
+        """True / False: the guide is known to need / not need the general split; None: unknown.
+
+        Keyed on the guide under Pyro's handlers (``unwrap``): a vectorized ELBO wraps it in a
+        fresh particle plate on every call. A cache only: the default path checks every site.
+        """
+        guide = unwrap(guide)
         try:
             if guide in self._general:
                 return True
@@ -124,6 +130,7 @@ class STLPolicy:
             return None
 
     def mark(self, guide, general: bool) -> None:
+        guide = unwrap(guide)
         try:
             (self._general if general else self._plain).add(guide)
         except TypeError:  # unhashable or not weakly referenceable: found again next time
