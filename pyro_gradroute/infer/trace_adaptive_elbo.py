@@ -819,10 +819,10 @@ class TraceAdaptiveSTL_ELBO(_AdaptiveMixin, TraceSTL_ELBO):
       that is measured. ``python benchmarks/bench_adaptive.py --training`` (Pyro's
       settings and initialisations, 1000 steps, 5 paired seeds, final ELBO from 2000
       draws), paired difference to Pyro's ``Trace_ELBO`` / to STL: eight schools
-      (Pyro's ``svi.py``, ``0.1 * rand`` scales) +0.05 +/- 0.02 / +3.26 +/- 0.30; the
-      Bayesian-regression tutorial (``AutoDiagonalNormal``, diabetes) +1.07 +/- 0.21 /
-      -0.12 +/- 0.54; a hierarchical model with ``AutoNormal`` (J=50) +5.88 +/- 0.22 /
-      +14.67 +/- 0.26.
+      (Pyro's ``svi.py``, ``0.1 * rand`` scales) +0.02 +/- 0.03 / +3.22 +/- 0.30; the
+      Bayesian-regression tutorial (``AutoDiagonalNormal``, diabetes) +1.32 +/- 0.42 /
+      +0.13 +/- 0.21; a hierarchical model with ``AutoNormal`` (J=50) +6.65 +/- 0.24 /
+      +15.44 +/- 0.28.
 
     **Unbiasedness condition.** Step :math:`t` applies :math:`b_t` computed from steps
     :math:`< t` only (the moments are updated *after* the step's gradient is formed).
