@@ -56,41 +56,84 @@ _WRAPPERS = (Independent, ExpandedDistribution, MaskedDistribution)
 _VERIFIED: dict[tuple, bool] = {}
 
 
+# What a class is, for the walks below (once per site and step): a dict lookup instead of
+# isinstance against Pyro's classes, which are ABCs (their isinstance runs Python code).
+_WRAP, _TRANSFORMED, _OWN_PARTS, _DELTA = 1, 2, 4, 8
+_KIND: dict[type, int] = {}
+
+
+def _kind(cls) -> int:
+    k = _KIND.get(cls)
+    if k is None:
+        score_parts = getattr(cls, "score_parts", None)
+        k = _KIND[cls] = (
+            (_WRAP if issubclass(cls, _WRAPPERS) else 0)
+            | (_TRANSFORMED if issubclass(cls, TransformedDistribution) else 0)
+            | (_OWN_PARTS if score_parts not in (None, TorchDistributionMixin.score_parts) else 0)
+            | (_DELTA if issubclass(cls, Delta) else 0)
+        )
+    return k
+
+
 def _signature(fn: Distribution) -> tuple:
     sig: list = []
     while True:
         sig.append(type(fn))
-        if isinstance(fn, TransformedDistribution):
+        k = _kind(type(fn))
+        if k & _TRANSFORMED:
             sig.extend(type(t) for t in fn.transforms)
-        if isinstance(fn, (*_WRAPPERS, TransformedDistribution)):
-            fn = fn.base_dist
-            continue
-        return tuple(sig)
+        if not k & (_WRAP | _TRANSFORMED):
+            return tuple(sig)
+        fn = fn.base_dist
 
 
 def _plain(fn: Distribution) -> bool:
     while True:
-        score_parts = getattr(type(fn), "score_parts", None)
-        if score_parts is not None and score_parts is not TorchDistributionMixin.score_parts:
+        k = _kind(type(fn))
+        if k & _OWN_PARTS:
             return False
-        if isinstance(fn, _WRAPPERS):
-            fn = fn.base_dist
-        elif isinstance(fn, TransformedDistribution):
+        if k & _TRANSFORMED and not k & _WRAP:
             if any(flows.holds_params(t) for t in fn.transforms):
                 return False
-            fn = fn.base_dist
-        else:
-            return not isinstance(fn, Delta) and bool(fn.has_rsample)
+        elif not k & _WRAP:
+            return not k & _DELTA and bool(fn.has_rsample)
+        fn = fn.base_dist
+
+
+#: class -> whether copy.copy of its instances is ``cls.__new__(cls)`` with their ``__dict__``
+_DICT_COPY: dict[type, bool] = {}
+
+
+def _dict_copy(cls) -> bool:
+    ok = _DICT_COPY.get(cls)
+    if ok is None:
+        ok = _DICT_COPY[cls] = (
+            getattr(cls, "__copy__", None) is None
+            and cls.__reduce_ex__ is object.__reduce_ex__
+            and cls.__reduce__ is object.__reduce__
+            and cls.__getstate__ is object.__getstate__
+            and not hasattr(cls, "__setstate__")
+            and not any(vars(c).get("__slots__") for c in cls.__mro__)  # none but empty ones
+        )
+    return ok
 
 
 def _copy(fn: Distribution) -> Distribution:
-    new = copy.copy(fn)
-    for k, v in vars(new).items():
-        if torch.is_tensor(v):
+    state = dict(vars(fn))
+    for k, v in state.items():
+        if isinstance(v, torch.Tensor):
             if v.requires_grad:
-                setattr(new, k, v.detach())
+                state[k] = v.detach()
         elif isinstance(v, Distribution):
-            setattr(new, k, _copy(v))
+            state[k] = _copy(v)
+    cls = type(fn)
+    if _dict_copy(cls):
+        new = cls.__new__(cls)
+        new.__dict__ = state
+    else:
+        new = copy.copy(fn)
+        for k, v in state.items():
+            setattr(new, k, v)
     return new
 
 
@@ -98,7 +141,7 @@ def param_tensors(fn: Distribution) -> list[torch.Tensor]:
     """The tensors that require grad among ``fn``'s attributes, and its inner distributions'."""
     out = []
     for v in vars(fn).values():
-        if torch.is_tensor(v):
+        if isinstance(v, torch.Tensor):
             if v.requires_grad:
                 out.append(v)
         elif isinstance(v, Distribution):

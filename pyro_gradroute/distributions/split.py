@@ -833,15 +833,21 @@ def _stop_all(parts: ScoreParts) -> ScoreParts:
     return ScoreParts(*(t.detach() if torch.is_tensor(t) else t for t in parts))
 
 
-def reaches_leaf_directly(t: torch.Tensor, stops: Sequence[torch.Tensor] = ()) -> bool:
+def reaches_leaf_directly(
+    t: torch.Tensor, stops: Sequence[torch.Tensor] = (), stop_nodes=None
+) -> bool:
     """Whether ``t``'s graph reaches a leaf that requires grad other than through ``stops``.
 
-    ``stops`` are tensors (relays, detached values) at which the search ends.
+    ``stops`` are tensors (relays, detached values) at which the search ends; or
+    ``stop_nodes``, a container of their autograd nodes (non-leaf stops only).
     """
     if t.grad_fn is None:
         return t.requires_grad
-    stop_nodes = {s.grad_fn for s in stops if s.grad_fn is not None}
-    stop_leaves = {id(s) for s in stops if s.grad_fn is None}
+    if stop_nodes is None:
+        stop_nodes = {s.grad_fn for s in stops if s.grad_fn is not None}
+        stop_leaves = {id(s) for s in stops if s.grad_fn is None}
+    else:
+        stop_leaves = set()
     seen, stack = {t.grad_fn}, [t.grad_fn]
     while stack:
         node = stack.pop()
@@ -857,12 +863,24 @@ def reaches_leaf_directly(t: torch.Tensor, stops: Sequence[torch.Tensor] = ()) -
 
 def delta_base(fn: Distribution):
     """The :class:`~pyro.distributions.Delta` inside ``fn`` (unwrapping ``Independent``, ``expand``, ``mask``), or None."""
-    # class membership in the MRO: Pyro's classes are ABCs, whose isinstance runs Python code
-    mro = type(fn).__mro__
-    while Independent in mro or ExpandedDistribution in mro or MaskedDistribution in mro:
+    while True:  # (one dict lookup per level: Pyro's classes are ABCs, slow in isinstance)
+        cls = type(fn)
+        k = _DELTA_KIND.get(cls)
+        if k is None:
+            k = _DELTA_KIND[cls] = (
+                1
+                if issubclass(cls, (Independent, ExpandedDistribution, MaskedDistribution))
+                else 2
+                if issubclass(cls, Delta)
+                else 0
+            )
+        if k != 1:
+            return fn if k == 2 else None
         fn = fn.base_dist
-        mro = type(fn).__mro__
-    return fn if Delta in mro else None
+
+
+#: class -> 1: a wrapper (look inside), 2: a Delta, 0: neither
+_DELTA_KIND: dict[type, int] = {}
 
 
 def is_delta(fn: Distribution) -> bool:

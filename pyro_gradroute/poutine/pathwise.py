@@ -99,7 +99,7 @@ def site_pathwise(name: str, fn, value: torch.Tensor, earlier: list[torch.Tensor
     d = delta_base(fn)
     if d is not None:
         ld = d.log_density
-        if torch.is_tensor(ld) and ld.requires_grad and reaches_leaf_directly(ld, earlier):
+        if torch.is_tensor(ld) and ld.requires_grad and reaches_leaf_directly(ld, stop_nodes=nodes):
             raise NeedsGeneralSplit(name)
         return None
     if hasattr(value, "_unquantize"):  # straight-through: the density is at the relaxed value
@@ -216,7 +216,7 @@ def pathwise_score_parts(
                     site["infer"].get("is_auxiliary")
                     and delta_base(site["fn"]) is not None
                     and value.requires_grad
-                    and reaches_leaf_directly(value, earlier)
+                    and reaches_leaf_directly(value, stop_nodes=nodes)
                 ):
                     # an auxiliary Delta computed from parameters: the general split checks it
                     return None

@@ -313,11 +313,12 @@ def _kl_pathwise(p: PathwiseDistribution, q: Distribution) -> torch.Tensor:
 class _Run:
     """The samples of one guide run, in draw order (what later sites may read)."""
 
-    def __init__(self) -> None:
+    def __init__(self, stl: bool = False) -> None:
         self.earlier: list[torch.Tensor] = []
         self.nodes: dict = {}
         self.changed = False
         self.pending: list = []  # (wrapper, Conditional) not evaluated yet
+        self.stl = stl  # sticking the landing is on in this run (the policy, at its start)
 
     def add(self, value) -> None:
         if torch.is_tensor(value) and value.grad_fn is not None:
@@ -378,7 +379,7 @@ class StickTheLandingMessenger(SplitMessenger):
     def __enter__(self):
         check_elbo(calling_elbo())
         if self._fast:
-            self._run = _Run()
+            self._run = _Run(self._policy.active and not self._policy.ordinary)
         else:
             self.batch = self._new_batch()
         return super().__enter__()
@@ -394,14 +395,20 @@ class StickTheLandingMessenger(SplitMessenger):
             self._pyro_post_sample(msg)
 
     def _pyro_sample(self, msg) -> None:
-        if msg["value"] is not None or not self._latent(msg):
+        if msg["value"] is not None or msg["is_observed"]:
             return  # observed, or a value another handler supplies (the model, under replay)
         if not self._fast:
-            return super()._pyro_sample(msg)
+            return super()._pyro_sample(msg) if self._latent(msg) else None
         fn = msg["fn"]
         gated = type(fn) is GatedDistribution
         base = fn.base_dist if gated else fn
-        if type(base) is PathwiseDistribution or type(base) is SplitDistribution:
+        kind = type(base)
+        if (
+            kind is PathwiseDistribution
+            or kind is SplitDistribution
+            or kind.__name__ == "_Subsample"
+            or msg["infer"].get("enumerate")
+        ):
             return
         wrapped = PathwiseDistribution._wrap(base, self._run, msg["name"])
         msg["fn"] = GatedDistribution(wrapped, fn.specs) if gated else wrapped
@@ -414,10 +421,12 @@ class StickTheLandingMessenger(SplitMessenger):
         run = self._run
         if type(fn) is not PathwiseDistribution or fn._run is not run:
             return
-        value, name = msg["value"], msg["name"]
-        if not self._policy.uses_pathwise(msg):
+        value, name, base = msg["value"], msg["name"], fn.base_dist
+        if not (run.stl and msg["infer"].get("stl") is None and base.has_rsample) and not (
+            self._policy.uses_pathwise(msg)
+        ):
             if outer is fn:
-                msg["fn"] = fn.base_dist
+                msg["fn"] = base
             run.add(value)
             return  # the ordinary parts (score-function sites keep Pyro's treatment)
         if value is fn._value:
@@ -426,7 +435,6 @@ class StickTheLandingMessenger(SplitMessenger):
             fn._value = value
         else:
             raise _not_drawn(name)
-        base = fn.base_dist
         try:
             parts = site_pathwise(name, base, value, run.earlier, run.nodes)
         except NeedsGeneralSplit:
@@ -437,7 +445,9 @@ class StickTheLandingMessenger(SplitMessenger):
         elif not run.changed and (parts is not None or delta_base(base) is None):
             run.changed = True  # a random draw
         fn._parts = parts
-        run.add(value)
+        if isinstance(value, torch.Tensor) and value.grad_fn is not None:  # (run.add)
+            run.nodes[value.grad_fn] = len(run.earlier)
+            run.earlier.append(value)
 
     def _general_post_sample(self, msg) -> None:
         """The learning run: the general split, and a check that each sample is its own draw."""

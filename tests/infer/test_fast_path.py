@@ -301,3 +301,27 @@ def test_conditional_guides_default_path_equals_general_split(kind):
             torch.testing.assert_close(grads[0], other, rtol=1e-10, atol=1e-10)
     assert fast._policy.needs_general(guide) is (kind == "dense")
     assert msngr._fast is (kind != "dense")
+
+
+def test_detached_copy_keeps_a_familys_own_copy_rules():
+    """The copy is ``cls.__new__`` plus the instance dict only where copy.copy would do the same."""
+    from pyro_gradroute.distributions.detached import detached_copy
+
+    calls = []
+
+    class OwnCopy(dist.Normal):
+        def __copy__(self):
+            calls.append(1)
+            new = type(self).__new__(type(self))
+            new.__dict__.update(self.__dict__)
+            return new
+
+    loc = torch.tensor(0.4, requires_grad=True)
+    for q, copied in ((dist.Normal(loc, 1.0), []), (OwnCopy(loc, 1.0), [1])):
+        z = q.rsample()
+        c = detached_copy(q, z)
+        assert calls == copied
+        assert type(c) is type(q) and c.loc is not loc and not c.loc.requires_grad
+        assert c.log_prob(z).item() == q.log_prob(z).item()
+        (g,) = torch.autograd.grad(c.log_prob(z), loc)
+        torch.testing.assert_close(g, -(z - loc).detach())
