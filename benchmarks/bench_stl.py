@@ -7,10 +7,11 @@ time and saved-for-backward memory of STL over Trace_ELBO, measured side by side
 (interleaved) in one process, one thread. Targets: time <= 1.03, memory <= 1.02.
 (d) AutoNormal over 1 to 800 scalar sites (target at 800: <= 1.06, no per-site term that
 grows with the number of sites) and a 20-site conditional chain guide (target <= 1.20).
-(b') ``stick_the_landing`` inside Pyro's own ``Trace_ELBO`` (hierarchical model) and
+(b') ``stick_the_landing`` inside Pyro's own ``Trace_ELBO`` (hierarchical model, VAE) and
 ``TraceEnum_ELBO`` (a Gaussian mixture with enumerated assignments) over the plain
 ELBO, and inside ``JitTrace_ELBO`` over plain ``JitTrace_ELBO`` (also printed: the JIT's
-step time over the non-JIT ``Trace_ELBO``'s): target <= 1.05.
+step time over the non-JIT ``Trace_ELBO``'s): target <= 1.03.
+Times are CPU seconds of this thread (``time.thread_time``), medians over interleaved rounds.
 (c) gradient variance of both estimators on a conjugate Gaussian model at several
 distances from the exact posterior (mean shifted by ``t`` posterior sds, scale multiplied
 by ``exp(t/2)``): STL/Trace variance ratio, which goes to 0 at the posterior.
@@ -19,6 +20,8 @@ by ``exp(t/2)``): STL/Trace variance ratio, which goes to 0 at the posterior.
 from __future__ import annotations
 
 import argparse
+import statistics
+import time
 
 import pyro
 import pyro.distributions as dist
@@ -28,7 +31,6 @@ from _common import (
     place_guide,
     print_table,
     saved_tensor_bytes,
-    time_interleaved,
 )
 from pyro.infer import SVI
 from pyro.infer import Trace_ELBO as PyroTrace_ELBO
@@ -49,6 +51,24 @@ def _svi_steps(model, args, runs):
     return out
 
 
+def time_interleaved(fns, rounds, warmup=3):
+    """Median CPU seconds (``time.thread_time``) per call, calls interleaved round by round.
+
+    CPU time of this thread rather than wall time: on a shared machine other processes'
+    load stays out.
+    """
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            t0 = time.thread_time()
+            fn()
+            times[k].append(time.thread_time() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
 def _measure(steps, rounds, memory=("Trace_ELBO", "TraceSTL_ELBO")):
     """Interleaved step times and the graph memory of the ``memory`` candidates."""
     return time_interleaved(steps, rounds), {k: saved_tensor_bytes(steps[k]) for k in memory}
@@ -61,6 +81,18 @@ def bench_vae(rounds):
     runs = {
         "Trace_ELBO": (vae.guide, PyroTrace_ELBO()),
         "TraceSTL_ELBO": (vae.guide, TraceSTL_ELBO()),
+    }
+    return _measure(_svi_steps(vae.model, (train[:256],), runs), rounds)
+
+
+def bench_handler_vae(rounds):
+    """``stick_the_landing(vae.guide)`` in Pyro's ``Trace_ELBO`` over the plain guide."""
+    pyro.clear_param_store()
+    train, _ = load_binarized_digits()
+    vae = VAE()
+    runs = {
+        "Trace_ELBO": (vae.guide, PyroTrace_ELBO()),
+        "TraceSTL_ELBO": (stick_the_landing(vae.guide), PyroTrace_ELBO()),
     }
     return _measure(_svi_steps(vae.model, (train[:256],), runs), rounds)
 
@@ -237,6 +269,7 @@ def main(argv=None):
         ("hierarchical, AutoNormal (J=200)", lambda r: bench_hierarchical(r, J=200)),
         ("hierarchical, AutoNormal (J=5000)", lambda r: bench_hierarchical(r, J=5000)),
         ("stick_the_landing in Pyro's Trace_ELBO (J=200)", bench_handler_hierarchical),
+        ("stick_the_landing in Pyro's Trace_ELBO (digits VAE)", bench_handler_vae),
         ("stick_the_landing in TraceEnum_ELBO (mixture)", bench_enum_mixture),
         ("stick_the_landing in JitTrace_ELBO (J=200)", bench_jit_hierarchical),
         *(
@@ -261,7 +294,10 @@ def main(argv=None):
                 f"{m['TraceSTL_ELBO'] / m['Trace_ELBO']:.3f}",
             )
         )
-    print("STL over Trace (targets: TraceSTL_ELBO time <= 1.03, memory <= 1.02; handler <= 1.05)")
+    print(
+        "STL over Trace (targets: TraceSTL_ELBO time <= 1.03, memory <= 1.02; handler <= 1.03; "
+        "800 sites <= 1.06; chain <= 1.20)"
+    )
     print_table(rows, ("model", "Trace ms/step", "STL ms/step", "time ratio", "memory ratio"))
     if args.no_variance:
         return
