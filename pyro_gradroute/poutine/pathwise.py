@@ -104,9 +104,11 @@ def site_pathwise(name: str, fn, value: torch.Tensor, earlier: list[torch.Tensor
         return None
     if hasattr(value, "_unquantize"):  # straight-through: the density is at the relaxed value
         raise NeedsGeneralSplit(name)
-    if not _plain(fn):
-        raise NeedsGeneralSplit(name)
     params = param_tensors(fn)
+    ups = frontier(params, nodes)
+    copy = None if ups else detached_copy(fn, value)  # None also where fn is not plain
+    if not (_plain(fn) if ups else copy is not None):
+        raise NeedsGeneralSplit(name)
     if params and not value.requires_grad and torch.is_grad_enabled():
         raise ValueError(
             f"guide site '{name}': its value does not depend on its distribution's parameters, "
@@ -115,11 +117,7 @@ def site_pathwise(name: str, fn, value: torch.Tensor, earlier: list[torch.Tensor
             "the sample the guide drew; remove that handler, or mark the site "
             "infer={'stl': False} to give it the ordinary gradient."
         )
-    ups = frontier(params, nodes)
     if not ups:
-        copy = detached_copy(fn, value)
-        if copy is None:
-            raise NeedsGeneralSplit(name)
         lp = copy.log_prob(value)
         parts = PathwiseParts(lp, 0, lp)
         parts.conditional = False

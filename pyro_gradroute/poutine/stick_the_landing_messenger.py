@@ -270,10 +270,11 @@ class PathwiseDistribution(TorchDistribution):
         return self.base_dist.enumerate_support(expand=expand)
 
     def _pathwise(self, value):
-        if value is None or value is not self._value or self._parts is None:
+        """The pathwise parts at ``value`` (None: at another value, or the ordinary parts)."""
+        if value is None or value is not self._value:
             return None
-        if callable(self._parts):
-            self._parts()  # evaluates the run's conditional sites, this one included
+        if self._parts is _PENDING:
+            self._run.evaluate()  # the run's sites, this one included
         return self._parts
 
     def log_prob(self, value, *args, **kwargs):
@@ -281,13 +282,11 @@ class PathwiseDistribution(TorchDistribution):
         return self.base_dist.log_prob(value, *args, **kwargs) if parts is None else parts.log_prob
 
     def score_parts(self, value, *args, **kwargs):
-        parts = self._parts
-        if parts is None or value is not self._value or value is None:
-            return self.base_dist.score_parts(value, *args, **kwargs)
-        if callable(parts):
-            parts()  # evaluates the run's conditional sites, this one included
-            return self.score_parts(value, *args, **kwargs)
-        return parts
+        parts = self._pathwise(value)
+        return self.base_dist.score_parts(value, *args, **kwargs) if parts is None else parts
+
+
+_PENDING = object()  # a wrapper's parts before its run is evaluated
 
 
 def _fields(base_dist, run, name) -> dict:
@@ -311,19 +310,46 @@ def _kl_pathwise(p: PathwiseDistribution, q: Distribution) -> torch.Tensor:
 
 
 class _Run:
-    """The samples of one guide run, in draw order (what later sites may read)."""
+    """The samples of one guide run, in draw order (what later sites may read).
 
-    def __init__(self, stl: bool = False) -> None:
+    The pathwise parts of its sites are evaluated together, when the first is asked for
+    (by then every sample is known; a site's parameters cannot read a later one).
+    """
+
+    def __init__(self, owner=None, stl: bool = False) -> None:
         self.earlier: list[torch.Tensor] = []
         self.nodes: dict = {}
         self.changed = False
-        self.pending: list = []  # (wrapper, Conditional) not evaluated yet
+        self.sites: list = []  # wrappers whose parts are pending
+        self.owner = owner  # the messenger
         self.stl = stl  # sticking the landing is on in this run (the policy, at its start)
 
     def add(self, value) -> None:
-        if torch.is_tensor(value) and value.grad_fn is not None:
+        if isinstance(value, torch.Tensor) and value.grad_fn is not None:
             self.nodes[value.grad_fn] = len(self.earlier)
             self.earlier.append(value)
+
+    def evaluate(self) -> None:
+        """Set the pending sites' parts: detached copies, and one split node for conditional sites."""
+        sites, self.sites = self.sites, []
+        conditional = []
+        for w in sites:
+            try:
+                parts = site_pathwise(w._name, w.base_dist, w._value, self.earlier, self.nodes)
+            except NeedsGeneralSplit:
+                parts = self.owner._not_prepared(w._name)
+            if type(parts) is Conditional:
+                conditional.append((w, parts))
+            else:
+                w._parts = parts
+        if conditional:
+            try:
+                out = conditional_pathwise([c for _, c in conditional], self.earlier)
+            except NeedsGeneralSplit as e:
+                self.owner._not_prepared(str(e))
+                out = [None] * len(conditional)
+            for (w, _), parts in zip(conditional, out):
+                w._parts = parts
 
 
 class StickTheLandingMessenger(SplitMessenger):
@@ -379,7 +405,7 @@ class StickTheLandingMessenger(SplitMessenger):
     def __enter__(self):
         check_elbo(calling_elbo())
         if self._fast:
-            self._run = _Run(self._policy.active and not self._policy.ordinary)
+            self._run = _Run(self, self._policy.active and not self._policy.ordinary)
         else:
             self.batch = self._new_batch()
         return super().__enter__()
@@ -435,16 +461,10 @@ class StickTheLandingMessenger(SplitMessenger):
             fn._value = value
         else:
             raise _not_drawn(name)
-        try:
-            parts = site_pathwise(name, base, value, run.earlier, run.nodes)
-        except NeedsGeneralSplit:
-            parts = self._not_prepared(name)
-        if type(parts) is Conditional:
-            run.pending.append((fn, parts))
-            parts = self._resolve
-        elif not run.changed and (parts is not None or delta_base(base) is None):
+        fn._parts = _PENDING
+        run.sites.append(fn)
+        if not run.changed and delta_base(base) is None:
             run.changed = True  # a random draw
-        fn._parts = parts
         if isinstance(value, torch.Tensor) and value.grad_fn is not None:  # (run.add)
             run.nodes[value.grad_fn] = len(run.earlier)
             run.earlier.append(value)
@@ -491,19 +511,6 @@ class StickTheLandingMessenger(SplitMessenger):
             stacklevel=4,
         )
 
-    def _resolve(self):
-        """Evaluate every pending conditional site of the run in one node (on first request)."""
-        run = self._run
-        pending, run.pending = run.pending, []
-        try:
-            out = conditional_pathwise([c for _, c in pending], run.earlier)
-        except NeedsGeneralSplit as e:
-            self._not_prepared(str(e))
-            out = [None] * len(pending)
-        for (wrapper, _), parts in zip(pending, out):
-            wrapper._parts = parts
-        return None  # the caller reads its own wrapper's parts again
-
     def __exit__(self, *args):
         if args[0] is None and not self._policy.active:
             if torch.is_grad_enabled():
@@ -513,6 +520,7 @@ class StickTheLandingMessenger(SplitMessenger):
                 self._policy.advance()
             if self._fast:
                 changed = self._run.changed
+                self._run = None  # the trace's wrappers keep what they need
             else:
                 changed = any(
                     r.stl and delta_base(r.fn) is None for r in self.batch.records.values()
