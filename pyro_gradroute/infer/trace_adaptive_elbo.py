@@ -843,8 +843,10 @@ class TraceAdaptiveSTL_ELBO(_AdaptiveMixin, TraceSTL_ELBO):
     ``center``) of each guide parameter's size, kept as one joint state for the step's
     parameters: one fit and one update per step, the fit recomputed every 4 steps after the
     first 20 past warm-up. Such a measured step costs about 1.2-1.3 ``Trace_ELBO`` steps.
-    Once settled (after those 20), three steps in four take STL's or ``Trace_ELBO``'s
-    gradient directly (one backward, no moments; the fourth measures both parts) when the
+    Once settled (after those 20), three steps in four of ``loss_and_grads`` in one process
+    (SVI's path; ``differentiable_loss`` and distributed runs measure every step) take STL's
+    or ``Trace_ELBO``'s gradient directly (one backward, no moments; the fourth measures both
+    parts) when the
     per-element mix would not pay for that cost: while every weight is exactly 0 or exactly
     1, or while the better endpoint's predicted total second moment
     :math:`S(e) = \lVert \mathbb E g \rVert^2 + \sum_e \operatorname{Var} g_e(e)` is
