@@ -69,6 +69,19 @@ def check_first(case):
         )
 
 
+def _stl_reference(c, case, seed):
+    try:
+        return stl_reference_grad(c, "STL", seed, c.model, c.guide)
+    except NoSameDrawReference:
+        # the package's TraceSTL_ELBO on the same seed, itself checked against a
+        # hand-written surrogate for these guides (tests/infer/test_structured_guides.py)
+        P = case.particles
+        stl_elbo = TraceSTL_ELBO(
+            num_particles=P, vectorize_particles=P > 1, max_plate_nesting=case.max_plate_nesting
+        )
+        return _ours(c, stl_elbo, seed)
+
+
 def check_frozen(case):
     with cell(case) as c:
         if _probe(c, "Adaptive", c.model, c.guide, case.raise_for("Adaptive", False)):
@@ -79,18 +92,7 @@ def check_frozen(case):
             for seed in (0, 1):
                 g = _ours(c, elbo, seed)
                 trace = reference_grad(c, "Trace", seed, c.model, c.guide)
-                try:
-                    stl = stl_reference_grad(c, "STL", seed, c.model, c.guide)
-                except NoSameDrawReference:
-                    # the package's TraceSTL_ELBO on the same seed, itself checked against a
-                    # hand-written surrogate for these guides (tests/infer/test_structured_guides.py)
-                    P = case.particles
-                    stl_elbo = TraceSTL_ELBO(
-                        num_particles=P,
-                        vectorize_particles=P > 1,
-                        max_plate_nesting=case.max_plate_nesting,
-                    )
-                    stl = _ours(c, stl_elbo, seed)
+                stl = _stl_reference(c, case, seed)
                 ref = (1 - b) * stl + b * trace
                 torch.testing.assert_close(
                     g,
@@ -101,17 +103,6 @@ def check_frozen(case):
                         f"{case.name}: b frozen at {b} != (1 - b) STL + b Trace (seed {seed})\n{m}"
                     ),
                 )
-
-
-def _stl_reference(c, case, seed):
-    try:
-        return stl_reference_grad(c, "STL", seed, c.model, c.guide)
-    except NoSameDrawReference:  # see check_frozen
-        P = case.particles
-        stl_elbo = TraceSTL_ELBO(
-            num_particles=P, vectorize_particles=P > 1, max_plate_nesting=case.max_plate_nesting
-        )
-        return _ours(c, stl_elbo, seed)
 
 
 def check_direct(case):

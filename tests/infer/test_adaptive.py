@@ -586,8 +586,8 @@ def test_distributed_weights_identical_on_every_rank(tmp_path):
         torch.testing.assert_close(r0["params"][k], r1["params"][k], rtol=0, atol=0)
 
 
-def test_settled_at_an_endpoint_measures_one_step_in_four():
-    """Every weight exactly 0: three steps in four are TraceSTL_ELBO's gradient on the same seed."""
+def _settling_problem():
+    """A conjugate model and a mean-field guide near (not at) its posterior."""
     gm = GaussianModel(D=2, n=5, prior_cov=torch.eye(2), seed=1)
     mean, cov = gm.posterior()
 
@@ -596,6 +596,12 @@ def test_settled_at_an_endpoint_measures_one_step_in_four():
         scale = pyro.param("scale", cov.diagonal().sqrt(), constraint=constraints.positive)
         pyro.sample("z", dist.Normal(loc, scale).to_event(1))
 
+    return gm, guide
+
+
+def test_settled_at_an_endpoint_measures_one_step_in_four():
+    """Every weight exactly 0: three steps in four are TraceSTL_ELBO's gradient on the same seed."""
+    gm, guide = _settling_problem()
     elbo = TraceAdaptiveSTL_ELBO()
     elbo._cv.weight_many = lambda names, likes: [torch.zeros_like(t) for t in likes]
     gradient_draws(elbo, gm.model, guide, 40)  # past warm-up and the fresh phase
@@ -662,14 +668,7 @@ def test_direct_choice_matches_two_pass_second_moments(b_star, noise, mean, expe
 def test_direct_steps_equal_pyro_trace_elbo_and_the_fourth_measures():
     """A mixed weight whose endpoint is predicted as good: three steps in four are Pyro's
     Trace_ELBO gradient on the same seed, the fourth is g_path + b g_cv (updates the moments)."""
-    gm = GaussianModel(D=2, n=5, prior_cov=torch.eye(2), seed=1)
-    mean, cov = gm.posterior()
-
-    def guide():
-        loc = pyro.param("loc", mean.clone() + 0.3)
-        scale = pyro.param("scale", cov.diagonal().sqrt(), constraint=constraints.positive)
-        pyro.sample("z", dist.Normal(loc, scale).to_event(1))
-
+    gm, guide = _settling_problem()
     elbo = TraceAdaptiveSTL_ELBO()
     gradient_draws(elbo, gm.model, guide, 40)  # past warm-up and the fresh phase
     (key,) = elbo._cv.state
