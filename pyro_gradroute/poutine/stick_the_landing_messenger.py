@@ -222,13 +222,22 @@ class PathwiseDistribution(TorchDistribution):
     arg_constraints: dict = {}
 
     def __init__(self, base_dist, run: _Run, name: str):
-        self.__dict__.update(_fields(base_dist, run, name))
+        self.__dict__ = self._wrap(base_dist, run, name).__dict__
 
     @classmethod
     def _wrap(cls, base_dist, run: _Run, name: str) -> PathwiseDistribution:
         """``cls(base_dist, run, name)`` without the metaclass's call (one wrapper per site and step)."""
         self = object.__new__(cls)
-        self.__dict__.update(_fields(base_dist, run, name))
+        self.__dict__ = {  # what Distribution.__init__ sets, without its checks
+            "base_dist": base_dist,
+            "_run": run,
+            "_name": name,
+            "_value": None,
+            "_parts": None,
+            "_batch_shape": base_dist.batch_shape,
+            "_event_shape": base_dist.event_shape,
+            "_validate_args": False,
+        }
         return self
 
     def __getattr__(self, name):
@@ -287,20 +296,6 @@ class PathwiseDistribution(TorchDistribution):
 
 
 _PENDING = object()  # a wrapper's parts before its run is evaluated
-
-
-def _fields(base_dist, run, name) -> dict:
-    # what Distribution.__init__ sets, without its checks
-    return {
-        "base_dist": base_dist,
-        "_run": run,
-        "_name": name,
-        "_value": None,
-        "_parts": None,
-        "_batch_shape": base_dist.batch_shape,
-        "_event_shape": base_dist.event_shape,
-        "_validate_args": False,
-    }
 
 
 @register_kl(PathwiseDistribution, Distribution)
@@ -461,10 +456,15 @@ class StickTheLandingMessenger(SplitMessenger):
             fn._value = value
         else:
             raise _not_drawn(name)
-        fn._parts = _PENDING
-        run.sites.append(fn)
-        if not run.changed and delta_base(base) is None:
+        if delta_base(base) is None:
+            fn._parts = _PENDING  # evaluated with the run's other sites, when first asked for
+            run.sites.append(fn)
             run.changed = True  # a random draw
+        else:  # a Delta: its ordinary parts, unless its density needs the general split
+            try:
+                site_pathwise(name, base, value, run.earlier, run.nodes)
+            except NeedsGeneralSplit:
+                self._not_prepared(name)
         if isinstance(value, torch.Tensor) and value.grad_fn is not None:  # (run.add)
             run.nodes[value.grad_fn] = len(run.earlier)
             run.earlier.append(value)
