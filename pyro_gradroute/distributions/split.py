@@ -30,12 +30,12 @@ second product the upstream samples must be *cut points*: when one upstream samp
 depends on another (``z_0 -> z_1 -> z_2``), a product with respect to both would
 count the path through ``z_1`` twice. The ELBOs draw every guide sample through a
 :class:`Relay` (an identity node that can stop the gradient during that product
-only), which makes the product exact at any depth. Without cut points the product
-of each item can be taken on its own (``split_score_parts(..., per_item=True)``): exact
-when no upstream sample of one item depends on another of the same item (a chain
-:math:`q(z_t \mid z_{t-1})` reads one). Where no item has a seed for its full part (STL)
-the two products are one. :func:`split_log_probs` called directly with plain upstream
-tensors raises if they depend on each other.
+only), which makes the product exact at any depth. Samples drawn without relays (the
+STL default path) are cut the same way by a backward pre-hook on each one's autograd
+node, registered for that product only (``split_score_parts(..., cut=True)``). Where no
+item has a seed for its full part (STL) the two products are one.
+:func:`split_log_probs` called directly with plain upstream tensors raises if they
+depend on each other.
 
 **Higher derivatives.** ``score`` is an ordinary graph (exact at any order).
 ``log_prob`` and ``pathwise`` are first-order only: differentiating them with
@@ -74,6 +74,7 @@ Families that need care (all handled, one evaluation each):
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -214,79 +215,93 @@ class _Pathwise(torch.autograd.Function):
                 "fn.log_prob(value) itself, support higher derivatives; the package's "
                 "Trace_ELBO (which does not split) does too."
             )
-        items, ups, targets, group, target_index, batches = ctx.meta
+        items, ups, targets, group, target_index, cut = ctx.meta
         g_full = grads[0::2]
         g_path = grads[1::2]
         g_targets: list = [None] * len(targets)
         g_ups: list = [None] * len(ups)
+        # one product when no item that reads upstream samples has a full seed (STL): the
+        # seeds to its value and to the samples it reads are then the same
+        merged = all(g_full[i] is None for i, it in enumerate(items) if it.ups)
+        v_outs, v_seeds, vs, slots = [], [], [], []  # one input per distinct v
+        u_outs, u_seeds, wanted = [], [], {}
         for i, it in enumerate(items):
-            if it.g is not None and g_path[i] is not None:  # a flow: carried forward, no VJP
-                k = target_index[i]
-                g_targets[k] = _add(g_targets[k], _times(g_path[i], it.g, it.target))
-        for batch in batches:
-            _products(batch, items, ups, target_index, g_full, g_path, group, g_targets, g_ups)
+            in_v = False
+            if it.g is not None:  # a flow: the full seed is lp's own graph; no VJP
+                if g_path[i] is not None:
+                    k = target_index[i]
+                    g_targets[k] = _add(g_targets[k], _times(g_path[i], it.g, it.target))
+            else:
+                s = _add(g_full[i], g_path[i])
+                if s is not None and it.v.requires_grad:
+                    in_v = True
+                    v_outs.append(it.lp)
+                    v_seeds.append(s)
+                    if not any(w is it.v for w in vs):
+                        vs.append(it.v)
+                        slots.append(target_index[i])
+            if it.ups and g_path[i] is not None:
+                wanted.update(dict.fromkeys(it.ups))
+                if not (merged and in_v):
+                    u_outs.append(it.lp)
+                    u_seeds.append(g_path[i])
+                if it.g is not None:  # d/du log q(y | u) at y fixed: minus the sample's path
+                    u_outs.append(it.target)
+                    u_seeds.append(-_times(g_path[i], it.g, it.target))
+        u_in = list(wanted)
+        calls = (
+            [(v_outs + u_outs, v_seeds + u_seeds, vs, slots, u_in)]
+            if merged
+            else [(v_outs, v_seeds, vs, slots, []), (u_outs, u_seeds, [], [], u_in)]
+        )
+        for outs, seeds, v_in, v_slots, u_in in calls:
+            if not outs or not (v_in or u_in):
+                continue
+            with _cut_at(ups if u_in else (), group, cut):
+                gs = torch.autograd.grad(
+                    outs,
+                    [*v_in, *(ups[k] for k in u_in)],
+                    seeds,
+                    retain_graph=True,
+                    allow_unused=True,
+                )
+            for k, g in zip(v_slots, gs):
+                g_targets[k] = _add(g_targets[k], g)
+            for k, g in zip(u_in, gs[len(v_in) :]):
+                g_ups[k] = g
         return (None, *g_ups, *g_full, *g_targets)
 
 
-def _products(batch, items, ups, target_index, g_full, g_path, group, g_targets, g_ups) -> None:
-    """The vector-Jacobian products of the items ``batch`` (indices), accumulated in place.
+@contextlib.contextmanager
+def _cut_at(ups, group, cut: bool):
+    r"""While the upstream product is taken, stop the gradient below the upstream samples.
 
-    To the detached values ``v`` (independent leaves) go all seeds, ``g_full + g_path``;
-    to the upstream samples the pathwise seeds only, as partials: the relays of ``group``
-    cut while they are taken, or (without a group) no upstream sample of the batch is
-    computed from another one. Where every item that reads upstream samples has no full
-    seed the two products are one.
+    The product then gives each sample :math:`u` its partial derivative (the other samples
+    held fixed): ``group``'s relays cut, or (``cut``, no relays) a backward pre-hook on
+    each sample's autograd node drops the gradient arriving there (after the product has
+    captured it), for this product only.
     """
-    v_outs, v_seeds, vs, slots = [], [], [], []  # one input per distinct v
-    u_outs, u_seeds, wanted = [], [], {}
-    for i in batch:
-        it = items[i]
-        if it.g is None:
-            s = _add(g_full[i], g_path[i])
-            if s is not None and it.v.requires_grad:
-                v_outs.append(it.lp)
-                v_seeds.append(s)
-                if not any(w is it.v for w in vs):
-                    vs.append(it.v)
-                    slots.append(target_index[i])
-        if it.ups and g_path[i] is not None:
-            u_outs.append(it.lp)
-            u_seeds.append(g_path[i])
-            if it.g is not None:  # d/du log q(y | u) at y fixed: minus the sample's path
-                u_outs.append(it.target)
-                u_seeds.append(-_times(g_path[i], it.g, it.target))
-            for k in it.ups:
-                wanted[k] = None
-    merged = all(g_full[i] is None or not items[i].ups for i in batch)
-    calls = []
-    if merged:
-        # the seeds of an item that reads upstream samples are its pathwise seed alone
-        outs, seeds = list(v_outs), list(v_seeds)
-        for o, sd in zip(u_outs, u_seeds):
-            if not any(o is w for w in outs):
-                outs.append(o)
-                seeds.append(sd)
-        calls.append((outs, seeds, vs, slots, list(wanted)))
-    else:
-        calls.append((v_outs, v_seeds, vs, slots, []))
-        calls.append((u_outs, u_seeds, [], [], list(wanted)))
-    for outs, seeds, v_in, v_slots, u_in in calls:
-        if not outs or not (v_in or u_in):
-            continue
-        cut = group is not None and bool(u_in)
-        if cut:
-            group.cut = True
+    if not ups or (group is None and not cut):
+        yield
+        return
+    if group is not None:
+        group.cut = True
         try:
-            gs = torch.autograd.grad(
-                outs, [*v_in, *(ups[k] for k in u_in)], seeds, retain_graph=True, allow_unused=True
-            )
+            yield
         finally:
-            if cut:
-                group.cut = False
-        for k, g in zip(v_slots, gs):
-            g_targets[k] = _add(g_targets[k], g)
-        for k, g in zip(u_in, gs[len(v_in) :]):
-            g_ups[k] = _add(g_ups[k], g)
+            group.cut = False
+        return
+    nodes = {u.grad_fn for u in ups if u.grad_fn is not None}
+    handles = [n.register_prehook(_drop) for n in nodes]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _drop(grads):
+    return (None,) * len(grads)
 
 
 def _times(h: torch.Tensor, g: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -346,49 +361,6 @@ def reached_nodes(tensors: Sequence[torch.Tensor], targets: dict) -> list[int]:
                 seen.add(f)
                 stack.append(f)
     return sorted(hit)
-
-
-def _independent(tensors: Sequence[torch.Tensor]) -> bool:
-    """Whether no tensor in ``tensors`` lies on another one's graph (one walk, stopping at them).
-
-    Example::
-
-        >>> a = torch.ones(1, requires_grad=True) * 2
-        >>> _independent([a, a * 3]), _independent([a, torch.ones(1, requires_grad=True) * 3])
-        (False, True)
-    """
-    nodes = {t.grad_fn for t in tensors if t.grad_fn is not None}
-    stack = [f for n in nodes for f, _ in n.next_functions if f is not None]
-    seen = set(stack)
-    while stack:
-        node = stack.pop()
-        if node in nodes:
-            return False
-        for f, _ in node.next_functions:
-            if f is not None and f not in seen:
-                seen.add(f)
-                stack.append(f)
-    return True
-
-
-def _item_batches(node_items, owners, ups_list) -> list[list[int]]:
-    """One batch of node items per item that reads upstream tensors, and one for the rest.
-
-    Raises ``ValueError`` if an item reads two upstream tensors one of which is computed
-    from the other (its own product would count a path twice).
-    """
-    rest: list[int] = []
-    by_item: dict[int, list[int]] = {}
-    for n, (it, (i, _)) in enumerate(zip(node_items, owners)):
-        if it.ups:
-            by_item.setdefault(i, []).append(n)
-        else:
-            rest.append(n)
-    for ns in by_item.values():
-        ups = node_items[ns[0]].ups
-        if len(ups) > 1:
-            _check_independent([ups_list[k] for k in ups])
-    return [b for b in (rest, *by_item.values()) if b]
 
 
 def _check_independent(ups: list[torch.Tensor]) -> None:
@@ -697,9 +669,7 @@ def _check_upstream(upstream) -> None:
             )
 
 
-def split_score_parts(
-    items, group: RelayGroup | None = None, on_error=None, per_item: bool = False
-):
+def split_score_parts(items, group: RelayGroup | None = None, on_error=None, cut: bool = False):
     """The split of each item's ``score_parts``: a list of ``(full, pathwise, score)``.
 
     ``items``: ``(fn, value, upstream, preimage)``. ``full`` and ``pathwise`` are
@@ -708,10 +678,11 @@ def split_score_parts(
     the pathwise, gradient; ``score`` is the evaluated ``log_prob`` itself.
     ``on_error(i, exc)`` may return ``None`` to re-raise, or a
     ``(full, pathwise, score)`` triple to use for item ``i`` instead.
-    ``per_item``: the upstream tensors of different items (without a ``group``) may
-    depend on each other (a chain :math:`z_0 \to z_1 \to z_2`); the backward then takes
-    each item's upstream product separately, which is exact when no upstream tensor of
-    one item is computed from another of the same item (checked: ``ValueError``).
+    ``cut``: each item's upstream tensors are the samples its parameters read (found by
+    the caller, so not searched for again), which may be computed from each other (a
+    chain :math:`z_0 \to z_1 \to z_2`, a dense DAG): without a ``group`` the upstream
+    product stops the gradient below each of them (a backward pre-hook on its autograd
+    node, for that product only), as relays would.
     """
     grad_mode = torch.is_grad_enabled()
     results: list = [None] * len(items)
@@ -720,6 +691,7 @@ def split_score_parts(
     targets: list[torch.Tensor] = []
     target_index: list[int] = []
     ups_list: list[torch.Tensor] = []
+    ups_index: dict[int, int] = {}  # id(upstream tensor) -> its index in ups_list
     for i, (fn, value, upstream, preimage, *sampled) in enumerate(items):
         if not isinstance(fn, Distribution):
             raise TypeError(
@@ -763,14 +735,17 @@ def split_score_parts(
             continue
         ups_here: list[int] = []
         if upstream:
-            hit = set(_reached(lp, list(upstream)))
-            if g_flow is not None:  # the sample's own path to upstream tensors
-                hit.update(_reached(target, list(upstream)))
+            if cut:
+                hit = range(len(upstream))
+            else:
+                hit = set(_reached(lp, list(upstream)))
+                if g_flow is not None:  # the sample's own path to upstream tensors
+                    hit.update(_reached(target, list(upstream)))
             for j in sorted(hit):
                 u = upstream[j]
-                k = next((n for n, w in enumerate(ups_list) if w is u), None)
+                k = ups_index.get(id(u))
                 if k is None:
-                    k = len(ups_list)
+                    k = ups_index[id(u)] = len(ups_list)
                     ups_list.append(u)
                 ups_here.append(k)
         value_path = target.requires_grad if g_flow is not None else v.requires_grad
@@ -787,19 +762,16 @@ def split_score_parts(
             target_index.append(tk)
         results[i] = (parts, distinct, score)
     if node_items:
-        batches = [list(range(len(node_items)))]
-        if group is None and len(ups_list) > 1:
-            if per_item:
-                batches = _item_batches(node_items, owners, ups_list)
-            else:
-                _check_independent(ups_list)
-        meta = (node_items, ups_list, targets, group, target_index, batches)
+        cut = cut and group is None and len(ups_list) > 1
+        if group is None and len(ups_list) > 1 and not cut:
+            _check_independent(ups_list)
+        meta = (node_items, ups_list, targets, group, target_index, cut)
         provenance = [get_provenance(it.lp) for it in node_items]  # TraceGraph_ELBO's tracking
         if any(provenance) or any(get_provenance(t) for t in (*ups_list, *targets)):
             node_items = [_strip_provenance(it) for it in node_items]
             ups_list = [detach_provenance(u) for u in ups_list]
             targets = [detach_provenance(t) for t in targets]
-            meta = (node_items, ups_list, targets, group, target_index, batches)
+            meta = (node_items, ups_list, targets, group, target_index, cut)
         lps = [it.lp for it in node_items]
         outs = _Pathwise.apply(meta, *ups_list, *lps, *targets)
         split_of: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}

@@ -11,12 +11,10 @@ dependence on the parameters stopped. The cheapest exact mechanism is chosen per
   :math:`q(z_2 \mid z_1)`): one split node for all of them
   (:func:`~pyro_gradroute.distributions.split.split_score_parts`), which also sends the
   partials :math:`\partial \log q / \partial u` to the samples read. The samples read
-  are found by walking the parameters' graph, stopping at earlier samples. This needs no
-  cut point when no sample a site reads is computed from another one it reads
-  (hierarchies, trees, chains :math:`q(z_t \mid z_{t-1})`; each site's product is then
-  taken on its own where the samples read by different sites depend on each other);
-  dense DAGs (:math:`z_t` reads :math:`z_{t-1}` and :math:`z_{t-2}`) take the general
-  split;
+  are found by walking the parameters' graph, stopping at earlier samples. Where they
+  are computed from each other (chains :math:`q(z_t \mid z_{t-1})`, dense DAGs) the
+  product stops the gradient below each sample while it is taken, as relays would
+  (:func:`conditional_pathwise`);
 * anything else (flows, families with their own ``score_parts``, straight-through
   samples, Delta sites whose density depends on parameters directly): the general
   split with relays (:class:`~pyro_gradroute.poutine.split_messenger.SplitMessenger`).
@@ -36,7 +34,6 @@ from pyro.poutine.util import site_is_subsample
 from ..distributions.detached import _plain, detached_copy, param_tensors
 from ..distributions.split import (
     SplitNotSupported,
-    _independent,
     delta_base,
     reached_nodes,
     reaches_leaf_directly,
@@ -132,42 +129,19 @@ def site_pathwise(name: str, fn, value: torch.Tensor, earlier: list[torch.Tensor
     return Conditional(name, fn, value, tuple(ups))
 
 
-def independent_reads(read: set[int], earlier: list[torch.Tensor]) -> bool:
-    """Whether no sample in ``read`` (indices into ``earlier``) is computed from another one."""
-    return len(read) < 2 or _independent([earlier[i] for i in read])
-
-
-def reads_per_site(items: list[Conditional], earlier: list[torch.Tensor]) -> bool:
-    """Whether the conditional sites' products are taken one site at a time (see :func:`conditional_pathwise`).
-
-    Raises :class:`NeedsGeneralSplit` naming a site that reads a sample computed from
-    another one it reads.
-    """
-    if independent_reads({i for it in items for i in it.upstream}, earlier):
-        return False
-    for it in items:
-        if not independent_reads(set(it.upstream), earlier):
-            raise NeedsGeneralSplit(it.name)
-    return True
-
-
 def conditional_pathwise(items: list[Conditional], earlier: list[torch.Tensor]) -> list[ScoreParts]:
-    r"""The pathwise parts of conditional sites, from one split node with no cut points.
+    r"""The pathwise parts of conditional sites, from one split node (no relays).
 
     The node sends each site's partials :math:`\partial \log q / \partial u` to the
-    samples :math:`u` it reads. When no sample read by any of the sites is computed from
-    another one (hierarchies, many sites reading one global sample) one product serves
-    them all. Otherwise (chains :math:`q(z_t \mid z_{t-1})`, trees) each site's product is
-    taken on its own, which is exact when no sample *it* reads is computed from another
-    one it reads; a site that does read such a pair (a dense DAG: :math:`z_t` reads
-    :math:`z_{t-1}` and :math:`z_{t-2}`) needs the cut points of the general split, and
-    this raises :class:`NeedsGeneralSplit`.
+    samples :math:`u` it reads, in one product for all of them. Where the samples read
+    are computed from each other (chains :math:`q(z_t \mid z_{t-1})`, dense DAGs) the
+    product stops the gradient below each one while it is taken (a backward pre-hook on
+    its autograd node), so that each gets its partial derivative, exactly as the general
+    split's relays do.
     """
-    per_item = reads_per_site(items, earlier)
     try:
         out = split_score_parts(
-            [(it.fn, it.value, [earlier[i] for i in it.upstream], None) for it in items],
-            per_item=per_item,
+            [(it.fn, it.value, [earlier[i] for i in it.upstream], None) for it in items], cut=True
         )
     except SplitNotSupported as e:
         raise NeedsGeneralSplit(items[0].name) from e

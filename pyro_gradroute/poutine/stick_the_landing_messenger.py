@@ -18,7 +18,6 @@ from .pathwise import (
     Conditional,
     NeedsGeneralSplit,
     conditional_pathwise,
-    reads_per_site,
     site_pathwise,
 )
 from .split_distribution import SplitBatch, SplitDistribution
@@ -554,14 +553,10 @@ def _fast_enough(batch: SplitBatch) -> bool:
     """
     outputs = batch.group.outputs
     nodes = {r.grad_fn: i for i, r in enumerate(outputs)}
-    conditional = []
     try:
         for rec in batch.records.values():
             if rec.stl:
-                parts = site_pathwise(rec.name, rec.fn, rec.raw, outputs, nodes)
-                if isinstance(parts, Conditional):
-                    conditional.append(parts)
-        reads_per_site(conditional, outputs)
+                site_pathwise(rec.name, rec.fn, rec.raw, outputs, nodes)
     except (NeedsGeneralSplit, ValueError, NotImplementedError):
         return False
     return True
