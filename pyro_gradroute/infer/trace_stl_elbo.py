@@ -65,9 +65,11 @@ class TraceSTL_ELBO(Trace_ELBO):
     **Cost.** A site of a plain family (a torch or Pyro distribution, ``Independent``,
     ``expand``, ``mask``, or a parameter-free ``TransformedDistribution`` over one) takes
     its pathwise part from one evaluation of a copy with detached parameters at the live
-    sample: the step costs what ``Trace_ELBO``'s does. A conditional site (parameters
-    computed from earlier samples) adds one custom node that sends the partials to the
-    samples it reads. Guides with flows, ``Rejector``-like families, straight-through
+    sample: the step costs what ``Trace_ELBO``'s does. Conditional sites (parameters
+    computed from earlier samples, at any depth: chains, dense DAGs) add one custom node
+    that sends the partials to the samples they read, in one product that stops the
+    gradient below each sample read while it is taken. Guides with flows, ``Rejector``-like
+    families, straight-through
     samples or parameter-dependent Deltas take the general split (relays, forward-carried
     flow rules) on every step.
 
