@@ -69,9 +69,8 @@ class TraceSTL_ELBO(Trace_ELBO):
     computed from earlier samples, at any depth: chains, dense DAGs) add one custom node
     that sends the partials to the samples they read, in one product that stops the
     gradient below each sample read while it is taken. Guides with flows, ``Rejector``-like
-    families, straight-through
-    samples or parameter-dependent Deltas take the general split (relays, forward-carried
-    flow rules) on every step.
+    families, straight-through samples or parameter-dependent Deltas take the general
+    split (relays, forward-carried flow rules) on every step.
 
     Example::
 
