@@ -11,7 +11,7 @@ from pyro.distributions import TorchDistribution
 from pyro.poutine.messenger import unwrap
 from torch.distributions import Distribution, kl_divergence, register_kl
 
-from .._compat import calling_elbo
+from .._compat import Subsample, calling_elbo
 from ..distributions.split import delta_base
 from .gated_distribution import GatedDistribution
 from .pathwise import (
@@ -426,7 +426,7 @@ class StickTheLandingMessenger(SplitMessenger):
         if (
             kind is PathwiseDistribution
             or kind is SplitDistribution
-            or kind.__name__ == "_Subsample"
+            or kind is Subsample
             or msg["infer"].get("enumerate")
         ):
             return
