@@ -20,6 +20,7 @@ by ``exp(t/2)``): STL/Trace variance ratio, which goes to 0 at the posterior.
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import time
 
@@ -51,11 +52,13 @@ def _svi_steps(model, args, runs):
     return out
 
 
-def time_interleaved(fns, rounds, warmup=3):
+def time_interleaved(fns, rounds, warmup=3, collect=False):
     """Median CPU seconds (``time.thread_time``) per call, calls interleaved round by round.
 
     CPU time of this thread rather than wall time: on a shared machine other processes'
-    load stays out.
+    load stays out. ``collect``: a full garbage collection before each call, outside the
+    timing (for steps that leave large traces behind, whose collection would otherwise
+    fall on whichever call happens to trigger it).
     """
     for _ in range(warmup):
         for fn in fns.values():
@@ -63,15 +66,18 @@ def time_interleaved(fns, rounds, warmup=3):
     times = {k: [] for k in fns}
     for _ in range(rounds):
         for k, fn in fns.items():
+            if collect:
+                gc.collect()
             t0 = time.thread_time()
             fn()
             times[k].append(time.thread_time() - t0)
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def _measure(steps, rounds, memory=("Trace_ELBO", "TraceSTL_ELBO")):
+def _measure(steps, rounds, memory=("Trace_ELBO", "TraceSTL_ELBO"), collect=False):
     """Interleaved step times and the graph memory of the ``memory`` candidates."""
-    return time_interleaved(steps, rounds), {k: saved_tensor_bytes(steps[k]) for k in memory}
+    t = time_interleaved(steps, rounds, collect=collect)
+    return t, {k: saved_tensor_bytes(steps[k]) for k in memory}
 
 
 def bench_vae(rounds):
@@ -195,7 +201,8 @@ def bench_many_sites(rounds, n):
     steps = {}
     for name, elbo in (("Trace_ELBO", PyroTrace_ELBO()), ("TraceSTL_ELBO", TraceSTL_ELBO())):
         steps[name] = lambda elbo=elbo: elbo.loss_and_grads(model, guide)
-    return _measure(steps, min(rounds, max(5, 4000 // n)))  # ~1.5 s steps at n = 800
+    # ~0.5 s steps at n = 800; from 100 sites on a full collection before each (large traces)
+    return _measure(steps, min(rounds, max(9, 4000 // n)), collect=n >= 100)
 
 
 def chain_model(T=20):
