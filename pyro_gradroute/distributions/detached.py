@@ -118,14 +118,15 @@ def _dict_copy(cls) -> bool:
     return ok
 
 
-def _copy(fn: Distribution) -> Distribution:
+def _copy(fn: Distribution, params: list) -> Distribution:
     state = dict(vars(fn))
     for k, v in state.items():
         if isinstance(v, torch.Tensor):
             if v.requires_grad:
+                params.append(v)
                 state[k] = v.detach()
         elif isinstance(v, Distribution):
-            state[k] = _copy(v)
+            state[k] = _copy(v, params)
     cls = type(fn)
     if _dict_copy(cls):
         new = cls.__new__(cls)
@@ -149,12 +150,16 @@ def param_tensors(fn: Distribution) -> list[torch.Tensor]:
     return out
 
 
-def detached_copy(fn: Distribution, value: torch.Tensor | None = None) -> Distribution | None:
+def detached_copy(
+    fn: Distribution, value: torch.Tensor | None = None, params: list | None = None
+) -> Distribution | None:
     r"""A copy of ``fn`` whose parameters are stopped, or ``None`` if ``fn`` does not qualify.
 
     ``detached_copy(fn).log_prob(z)`` is :math:`\log q(z; \bot(\phi))`: the ordinary
     value, gradient to :math:`z` only. ``value`` (a sample of ``fn``) is used the first
     time ``fn``'s type is seen, to check that the copy holds all of its parameters.
+    ``params``: a list to which the parameters it stopped are appended (those of
+    :func:`param_tensors`), where it qualifies.
 
     Example::
 
@@ -173,7 +178,7 @@ def detached_copy(fn: Distribution, value: torch.Tensor | None = None) -> Distri
         )
     if not _plain(fn):
         return None
-    new = _copy(fn)
+    new = _copy(fn, [] if params is None else params)
     sig = _signature(fn)
     verdict = _VERIFIED.get(sig)
     if verdict is None and value is not None and torch.is_grad_enabled():

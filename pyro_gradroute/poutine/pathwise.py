@@ -31,7 +31,7 @@ import torch
 from pyro.distributions.score_parts import ScoreParts
 from pyro.poutine.util import site_is_subsample
 
-from ..distributions.detached import _plain, detached_copy, param_tensors
+from ..distributions.detached import detached_copy
 from ..distributions.split import (
     SplitNotSupported,
     delta_base,
@@ -101,10 +101,9 @@ def site_pathwise(name: str, fn, value: torch.Tensor, earlier: list[torch.Tensor
         return None
     if hasattr(value, "_unquantize"):  # straight-through: the density is at the relaxed value
         raise NeedsGeneralSplit(name)
-    params = param_tensors(fn)
-    ups = frontier(params, nodes)
-    copy = None if ups else detached_copy(fn, value)  # None also where fn is not plain
-    if not (_plain(fn) if ups else copy is not None):
+    params: list[torch.Tensor] = []
+    copy = detached_copy(fn, value, params)  # None where fn is not a plain family
+    if copy is None:
         raise NeedsGeneralSplit(name)
     if params and not value.requires_grad and torch.is_grad_enabled():
         raise ValueError(
@@ -114,6 +113,7 @@ def site_pathwise(name: str, fn, value: torch.Tensor, earlier: list[torch.Tensor
             "the sample the guide drew; remove that handler, or mark the site "
             "infer={'stl': False} to give it the ordinary gradient."
         )
+    ups = frontier(params, nodes)
     if not ups:
         lp = copy.log_prob(value)
         parts = PathwiseParts(lp, 0, lp)

@@ -306,7 +306,7 @@ def test_conditional_guides_default_path_equals_general_split(kind):
 
 def test_detached_copy_keeps_a_familys_own_copy_rules():
     """The copy is ``cls.__new__`` plus the instance dict only where copy.copy would do the same."""
-    from pyro_gradroute.distributions.detached import detached_copy
+    from pyro_gradroute.distributions.detached import detached_copy, param_tensors
 
     calls = []
 
@@ -320,8 +320,10 @@ def test_detached_copy_keeps_a_familys_own_copy_rules():
     loc = torch.tensor(0.4, requires_grad=True)
     for q, copied in ((dist.Normal(loc, 1.0), []), (OwnCopy(loc, 1.0), [1])):
         z = q.rsample()
-        c = detached_copy(q, z)
+        stopped = []
+        c = detached_copy(q, z, stopped)
         assert calls == copied
+        assert [id(t) for t in stopped] == [id(t) for t in param_tensors(q)] != []
         assert type(c) is type(q) and c.loc is not loc and not c.loc.requires_grad
         assert c.log_prob(z).item() == q.log_prob(z).item()
         (g,) = torch.autograd.grad(c.log_prob(z), loc)
