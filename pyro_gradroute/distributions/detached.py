@@ -75,28 +75,23 @@ def _kind(cls) -> int:
     return k
 
 
-def _signature(fn: Distribution) -> tuple:
+def _plain_signature(fn: Distribution) -> tuple | None:
+    """The classes along ``fn`` (wrappers, transforms, base) if it is a plain family, else None."""
     sig: list = []
     while True:
-        sig.append(type(fn))
-        k = _kind(type(fn))
-        if k & _TRANSFORMED:
-            sig.extend(type(t) for t in fn.transforms)
-        if not k & (_WRAP | _TRANSFORMED):
-            return tuple(sig)
-        fn = fn.base_dist
-
-
-def _plain(fn: Distribution) -> bool:
-    while True:
-        k = _kind(type(fn))
+        cls = type(fn)
+        k = _KIND.get(cls)
+        if k is None:
+            k = _kind(cls)
+        sig.append(cls)
         if k & _OWN_PARTS:
-            return False
+            return None
         if k & _TRANSFORMED and not k & _WRAP:
             if any(flows.holds_params(t) for t in fn.transforms):
-                return False
+                return None
+            sig.extend(type(t) for t in fn.transforms)
         elif not k & _WRAP:
-            return not k & _DELTA and bool(fn.has_rsample)
+            return None if k & _DELTA or not fn.has_rsample else tuple(sig)
         fn = fn.base_dist
 
 
@@ -176,10 +171,10 @@ def detached_copy(
         raise TypeError(
             f"detached_copy expects a torch.distributions.Distribution, got {type(fn).__name__}"
         )
-    if not _plain(fn):
+    sig = _plain_signature(fn)
+    if sig is None:
         return None
     new = _copy(fn, [] if params is None else params)
-    sig = _signature(fn)
     verdict = _VERIFIED.get(sig)
     if verdict is None and value is not None and torch.is_grad_enabled():
         v = value.detach()
