@@ -357,10 +357,20 @@ def reached_nodes(tensors: Sequence[torch.Tensor], targets: dict) -> list[int]:
             hit.add(i)
             continue
         for f, _ in node.next_functions:
-            if f is not None and f not in seen:
+            # a leaf's accumulator ends the path and is no target (targets are samples')
+            if f is not None and type(f) is not _ACCUMULATE and f not in seen:
                 seen.add(f)
                 stack.append(f)
     return sorted(hit)
+
+
+def _accumulate_type() -> type:
+    """The class of the autograd node that accumulates into a leaf (``next_functions`` of its use)."""
+    leaf = torch.zeros((), requires_grad=True)
+    return type((leaf * 1).grad_fn.next_functions[0][0])
+
+
+_ACCUMULATE = _accumulate_type()
 
 
 def _check_independent(ups: list[torch.Tensor]) -> None:
@@ -823,10 +833,12 @@ def reaches_leaf_directly(
     seen, stack = {t.grad_fn}, [t.grad_fn]
     while stack:
         node = stack.pop()
-        var = getattr(node, "variable", None)
-        if var is not None and id(var) not in stop_leaves:
-            return True
-        for f, _ in node.next_functions:
+        nexts = node.next_functions
+        if not nexts:  # a leaf's accumulator (or a node without inputs)
+            var = getattr(node, "variable", None)
+            if var is not None and id(var) not in stop_leaves:
+                return True
+        for f, _ in nexts:
             if f is not None and f not in seen and f not in stop_nodes:
                 seen.add(f)
                 stack.append(f)
