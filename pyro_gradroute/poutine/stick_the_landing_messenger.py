@@ -213,9 +213,9 @@ class PathwiseDistribution(TorchDistribution):
     """``base_dist``, whose ``log_prob`` and ``score_parts`` at its own draw carry only the pathwise gradient.
 
     Everything else (sampling, shapes, support, ``log_prob`` at any other value) is
-    ``base_dist``'s. The parts are computed when first asked for
-    (:func:`~pyro_gradroute.poutine.pathwise.site_pathwise`), from the samples the guide
-    drew before this one.
+    ``base_dist``'s. The parts of a guide run's sites are computed together when the first
+    is asked for (:func:`~pyro_gradroute.poutine.pathwise.site_pathwise`, and one split
+    node for the sites whose parameters read earlier samples).
     """
 
     arg_constraints: dict = {}
