@@ -13,6 +13,7 @@ unlike the process's resident size.
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 from collections.abc import Callable
@@ -21,12 +22,20 @@ import torch
 
 
 def time_interleaved(
-    fns: dict[str, Callable[[], object]], rounds: int, warmup: int = 3, mean: bool = False
+    fns: dict[str, Callable[[], object]],
+    rounds: int,
+    warmup: int = 3,
+    mean: bool = False,
+    collect: bool = False,
 ) -> dict[str, float]:
     """CPU seconds per call of each function (``time.thread_time``), calls interleaved round by round.
 
-    The median per call, or with ``mean`` the mean: for a function whose calls differ by design
-    (an estimator that measures on some steps only), the median would report the cheap calls.
+    CPU time of this thread rather than wall time: on a shared machine other processes' load
+    stays out. The median per call, or with ``mean`` the mean: for a function whose calls
+    differ by design (an estimator that measures on some steps only), the median would report
+    the cheap calls. ``collect``: a full garbage collection before each call, outside the
+    timing (for steps that leave large traces behind, whose collection would otherwise fall on
+    whichever call happens to trigger it).
     """
     for _ in range(warmup):
         for fn in fns.values():
@@ -34,6 +43,8 @@ def time_interleaved(
     times: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(rounds):
         for k, fn in fns.items():
+            if collect:
+                gc.collect()
             t0 = time.thread_time()
             fn()
             times[k].append(time.thread_time() - t0)

@@ -24,13 +24,12 @@ from __future__ import annotations
 import argparse
 import functools
 import statistics
-import time
 
 import pyro
 import pyro.distributions as dist
 import pyro.distributions.transforms as T
 import torch
-from _common import print_table
+from _common import print_table, time_interleaved
 from pyro.infer import SVI, RenyiELBO
 from pyro.infer import Trace_ELBO as PyroTrace_ELBO
 from pyro.infer.autoguide import AutoDiagonalNormal, AutoIAFNormal, AutoNormalizingFlow
@@ -57,24 +56,6 @@ GUIDES = {
         m, functools.partial(T.sylvester, count_transforms=2)
     ),
 }
-
-
-def time_interleaved(fns, rounds, warmup=3):
-    """Median CPU seconds (``time.thread_time``) per call, calls interleaved round by round.
-
-    CPU time of this thread rather than wall time: on a shared machine other processes'
-    load stays out.
-    """
-    for _ in range(warmup):
-        for fn in fns.values():
-            fn()
-    times = {k: [] for k in fns}
-    for _ in range(rounds):
-        for k, fn in fns.items():
-            t0 = time.thread_time()
-            fn()
-            times[k].append(time.thread_time() - t0)
-    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def _steps(model, guide, args, elbos):

@@ -20,9 +20,6 @@ by ``exp(t/2)``): STL/Trace variance ratio, which goes to 0 at the posterior.
 from __future__ import annotations
 
 import argparse
-import gc
-import statistics
-import time
 
 import pyro
 import pyro.distributions as dist
@@ -32,6 +29,7 @@ from _common import (
     place_guide,
     print_table,
     saved_tensor_bytes,
+    time_interleaved,
 )
 from pyro.infer import SVI
 from pyro.infer import Trace_ELBO as PyroTrace_ELBO
@@ -50,28 +48,6 @@ def _svi_steps(model, args, runs):
         svi = SVI(model, guide, pyro.optim.Adam({"lr": 1e-3}), elbo)
         out[name] = lambda svi=svi: svi.step(*args)
     return out
-
-
-def time_interleaved(fns, rounds, warmup=3, collect=False):
-    """Median CPU seconds (``time.thread_time``) per call, calls interleaved round by round.
-
-    CPU time of this thread rather than wall time: on a shared machine other processes'
-    load stays out. ``collect``: a full garbage collection before each call, outside the
-    timing (for steps that leave large traces behind, whose collection would otherwise
-    fall on whichever call happens to trigger it).
-    """
-    for _ in range(warmup):
-        for fn in fns.values():
-            fn()
-    times = {k: [] for k in fns}
-    for _ in range(rounds):
-        for k, fn in fns.items():
-            if collect:
-                gc.collect()
-            t0 = time.thread_time()
-            fn()
-            times[k].append(time.thread_time() - t0)
-    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def _measure(steps, rounds, memory=("Trace_ELBO", "TraceSTL_ELBO"), collect=False):
