@@ -4,7 +4,12 @@
   backward, the gradients are averaged in 25 MB buckets (one ``all_reduce`` each) plus one
   small parameter-check collective (``check_params=True``, the default; also timed without);
 * DDP: ``DistributedDataParallel(elbo(model, guide))`` with ``torch.optim.Adam``, whose
-  reducer starts each bucket's ``all_reduce`` during the backward.
+  reducer starts each bucket's ``all_reduce`` during the backward;
+* the DDP loop without DDP: the same ``ELBOModule`` and ``torch.optim.Adam``, with
+  :func:`~pyro_gradroute.distributed.average_gradients` (this package's buckets, after the
+  backward) before the step, with and without the parameter check. Against DDP this is the
+  reduction alone; against ``SVI + DistributedOptimizer`` it is ``SVI``'s and ``pyro.optim``'s
+  own per-step cost.
 
 Both run the digits VAE (``TraceSTL_ELBO``, global batch ``--batch-size`` split over the
 ranks), one step of each per round, interleaved; the median wall time per step is reported
@@ -32,6 +37,7 @@ from pyro_gradroute.app.models.digits_vae import VAE, load_binarized_digits
 from pyro_gradroute.distributed import (
     DistributedOptimizer,
     ShardedPlate,
+    average_gradients,
     broadcast_param_store,
     init_distributed,
 )
@@ -85,6 +91,15 @@ def main(argv=None) -> None:
     ddp = DistributedDataParallel(module)
     torch_optim = torch.optim.Adam(module.parameters(), lr=1e-3)
 
+    vae = VAE(hidden=args.hidden)
+    pyro.get_param_store().clear()
+    plain = TraceSTL_ELBO()(_Part(vae, "model", n), _Part(vae, "guide", n))
+    plain(train, batches[0])
+    with torch.no_grad():  # rank 0's start, as DDP's broadcast gives the other module
+        for p in plain.parameters():
+            dist.broadcast(p, src=0)
+    plain_optim = torch.optim.Adam(plain.parameters(), lr=1e-3)
+
     # Each VAE registers its networks as "decoder" / "encoder" (pyro.module): the store is
     # cleared before every step of every candidate, so each step registers its own.
     def ddp_step(idx):
@@ -92,6 +107,16 @@ def main(argv=None) -> None:
         torch_optim.zero_grad()
         ddp(train, idx).backward()
         torch_optim.step()
+
+    def plain_step(check):
+        def step(idx):
+            pyro.get_param_store().clear()
+            plain_optim.zero_grad()
+            plain(train, idx).backward()  # registers the modules' params in the store again
+            average_gradients(list(plain.parameters()), check_params=check)
+            plain_optim.step()
+
+        return step
 
     def svi_step(check):
         def step(idx):
@@ -104,6 +129,8 @@ def main(argv=None) -> None:
         "DDP(ELBOModule) + torch.optim.Adam": ddp_step,
         "SVI + DistributedOptimizer": svi_step(True),
         "same, check_params=False": svi_step(False),
+        "ELBOModule + average_gradients + Adam": plain_step(True),
+        "same, average_gradients(check_params=False)": plain_step(False),
     }
     times: dict[str, list[float]] = {k: [] for k in fns}
     for i in range(args.rounds + 5):
@@ -126,7 +153,7 @@ def main(argv=None) -> None:
         )
         base = med[0].item()
         for (k, _), t in zip(fns.items(), med.tolist()):
-            print(f"  {k:38s} {1e3 * t:7.2f} ms/step  ({t / base:.2f}x DDP)")
+            print(f"  {k:44s} {1e3 * t:7.2f} ms/step  ({t / base:.2f}x DDP)")
     dist.barrier()
     dist.destroy_process_group()
 
