@@ -26,6 +26,7 @@ from ..distributions.split import (
     RelayGroup,
     SplitNotSupported,
     _reached,
+    _sampled_score_parts,
     delta_base,
     preimage_rsample,
     reaches_leaf_directly,
@@ -220,6 +221,13 @@ def _traced_split(rec: SiteRecord) -> tuple:
     v = rec.raw.detach()
     try:
         score = rec.fn.score_parts(v)
+    except AssertionError:
+        # a family whose score_parts accept only its sampler's exact tensor (RSVI's
+        # ShapeAugmentedGamma): its parts at that tensor, log_prob at the fixed copy
+        try:
+            score = _sampled_score_parts(rec.fn, v, rec.raw)
+        except SplitNotSupported as e:
+            raise SplitNotSupported(f"guide site '{rec.name}': {e}") from e
     except (NotImplementedError, KeyError) as e:
         raise SplitNotSupported(
             f"guide site '{rec.name}': {type(rec.fn).__name__}.log_prob cannot be evaluated at "

@@ -4,7 +4,8 @@
   sampler returned. Reference: Pyro's ``Trace_ELBO`` on the same draw (float64, seed 0:
   loss 5.0811, gradients 2.5225 / -1.664), and for STL the same Pyro ELBO with a guide
   whose entropy term is hand-written as ``log q(z; stop(alpha), stop(beta))`` (Pyro's
-  score-function term of the rejection sampler is kept).
+  score-function term of the rejection sampler is kept); under the JIT ELBOs the same
+  JIT ELBO with that guide.
 * A site marked ``.has_rsample_(False)`` inside a plate: Pyro's broadcast assigns
   ``fn.has_rsample``. Not reparameterized, the site has no pathwise part, so sticking the
   landing leaves its gradient as it is: the reference is Pyro's ELBO without the handler.
@@ -18,8 +19,8 @@ import pytest
 import torch
 from pyro.distributions.score_parts import ScoreParts
 from pyro.distributions.testing.rejection_gamma import ShapeAugmentedGamma
+from pyro.infer import JitTrace_ELBO, JitTraceGraph_ELBO, TraceEnum_ELBO, TraceGraph_ELBO
 from pyro.infer import Trace_ELBO as PyroTrace_ELBO
-from pyro.infer import TraceEnum_ELBO, TraceGraph_ELBO
 from torch.distributions import constraints
 
 from pyro_gradroute.infer import (
@@ -103,8 +104,22 @@ def test_rsvi_pyro_reference_values(float64):
             lambda m, g: (TraceGraph_ELBO(max_plate_nesting=1), m, stick_the_landing(g)),
             TraceGraph_ELBO,
         ),
+        (
+            lambda m, g: (JitTrace_ELBO(max_plate_nesting=1), m, stick_the_landing(g)),
+            JitTrace_ELBO,
+        ),
+        (
+            lambda m, g: (JitTraceGraph_ELBO(max_plate_nesting=1), m, stick_the_landing(g)),
+            JitTraceGraph_ELBO,
+        ),
     ],
-    ids=["TraceSTL_ELBO", "stick_the_landing-Trace_ELBO", "stick_the_landing-TraceGraph_ELBO"],
+    ids=[
+        "TraceSTL_ELBO",
+        "stick_the_landing-Trace_ELBO",
+        "stick_the_landing-TraceGraph_ELBO",
+        "stick_the_landing-JitTrace_ELBO",
+        "stick_the_landing-JitTraceGraph_ELBO",
+    ],
 )
 def test_rsvi_stl_equals_hand_written_surrogate(make, Ref, float64):
     model, guide = _problem()
