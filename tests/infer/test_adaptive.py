@@ -9,7 +9,7 @@ import pyro
 import pyro.distributions as dist
 import pytest
 import torch
-from pyro.infer import SVI
+from pyro.infer import SVI, RenyiELBO
 from pyro.infer import Trace_ELBO as PyroTrace_ELBO
 from pyro.infer import autoguide as ag
 from pyro.nn import PyroModule
@@ -381,9 +381,21 @@ def test_policy_warmup_holds_trace():
     assert cv.weight("p", like).abs().max() < 1e-9
 
 
-def test_parameter_whose_shape_changes_resets_its_state():
+_RESET_CASES = {
+    # estimator, and the fresh estimator's first step on the same draws (Pyro's own ELBO)
+    "stl": (lambda: TraceAdaptiveSTL_ELBO(), lambda: PyroTrace_ELBO()),
+    "dreg": (
+        lambda: TraceAdaptiveDReG_ELBO(num_particles=3, max_plate_nesting=1),
+        lambda: RenyiELBO(alpha=0, num_particles=3, vectorize_particles=True, max_plate_nesting=1),
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(_RESET_CASES))
+def test_parameter_whose_shape_changes_resets_its_state(kind):
     """One estimator for two problems with the same parameter names: a reset, not a size error."""
-    elbo = TraceAdaptiveSTL_ELBO()
+    make, reference = _RESET_CASES[kind]
+    elbo = make()
     for D in (2, 3):
         pyro.clear_param_store()
         gm = GaussianModel(D=D, n=4, seed=D)
@@ -391,13 +403,13 @@ def test_parameter_whose_shape_changes_resets_its_state():
         for seed in range(8):
             grads_on_seed(elbo, gm.model, guide, seed, *())
         assert {b.shape for b in elbo.control_variate_weights().values()} == {(D,)}
-    # a new problem's first step starts again at Trace_ELBO
+    # a new problem's first step starts again at Trace_ELBO (STL) / IWAE (DReG)
     pyro.clear_param_store()
     gm = GaussianModel(D=4, n=4, seed=4)
     guide = ag.AutoNormal(gm.model, init_scale=0.3)
     guide()
     assert_same(
-        grads_on_seed(elbo, gm.model, guide, 9), grads_on_seed(PyroTrace_ELBO(), gm.model, guide, 9)
+        grads_on_seed(elbo, gm.model, guide, 9), grads_on_seed(reference(), gm.model, guide, 9)
     )
 
 
@@ -599,23 +611,30 @@ def _settling_problem():
     return gm, guide
 
 
-def test_settled_at_an_endpoint_measures_one_step_in_four():
-    """Every weight exactly 0: three steps in four are TraceSTL_ELBO's gradient on the same seed."""
+#: the steps (from the first settled one) that measure: one in 4, then in 8, then in 16
+_MEASURED_STEPS = [3, 11, 27]
+
+
+def test_settled_at_an_endpoint_measures_ever_less_often():
+    """Every weight exactly 0: the direct steps are TraceSTL_ELBO's gradient on the same seed,
+    and the measured ones come after 3, then 7, then 15 direct steps."""
     gm, guide = _settling_problem()
     elbo = TraceAdaptiveSTL_ELBO()
     elbo._cv.weight_many = lambda names, likes: [torch.zeros_like(t) for t in likes]
     gradient_draws(elbo, gm.model, guide, 40)  # past warm-up and the fresh phase
     st = next(iter(elbo._cv.state.values()))
     elbo._cv.weight = lambda name, like: torch.zeros_like(like)  # b = 0 everywhere: settled
-    n0, measured = st["n"], 0
-    for seed in range(8):
+    elbo._last_end = None  # the schedule starts at this first settled step
+    n0, measured = st["n"], []
+    for seed in range(30):
         before = st["n"]
         ours = grads_on_seed(elbo, gm.model, guide, seed)
-        measured += st["n"] - before
+        if st["n"] != before:
+            measured.append(seed)
         ref = grads_on_seed(TraceSTL_ELBO(), gm.model, guide, seed)
         for k in ref:
             torch.testing.assert_close(ours[k], ref[k])
-    assert measured == 2 and st["n"] == n0 + 2  # one step in four updates the moments
+    assert measured == _MEASURED_STEPS and st["n"] == n0 + 3  # only they update the moments
 
 
 # ------------------------------------------------------------------ direct steps: when the mix does not pay
@@ -665,9 +684,10 @@ def test_direct_choice_matches_two_pass_second_moments(b_star, noise, mean, expe
     assert cv.uniform("p") is None
 
 
-def test_direct_steps_equal_pyro_trace_elbo_and_the_fourth_measures():
-    """A mixed weight whose endpoint is predicted as good: three steps in four are Pyro's
-    Trace_ELBO gradient on the same seed, the fourth is g_path + b g_cv (updates the moments)."""
+def test_direct_steps_equal_pyro_trace_elbo_and_the_others_measure():
+    """A mixed weight whose endpoint is predicted as good: the direct steps are Pyro's
+    Trace_ELBO gradient on the same seed, the measured ones (after 3, 7, 15 direct steps)
+    g_path + b g_cv (they update the moments)."""
     gm, guide = _settling_problem()
     elbo = TraceAdaptiveSTL_ELBO()
     gradient_draws(elbo, gm.model, guide, 40)  # past warm-up and the fresh phase
@@ -678,18 +698,18 @@ def test_direct_steps_equal_pyro_trace_elbo_and_the_fourth_measures():
     fit["direct"] = 1.0  # ... whose better endpoint is within mix_gain: Trace_ELBO directly
     fit.pop("views", None)
     st["fit"], st["age"] = fit, -100  # kept for the whole test
-    n0, direct = st["n"], 0
-    for seed in range(8):
+    n0, measured = st["n"], []
+    for seed in range(30):
         before = st["n"]
         ours = grads_on_seed(elbo, gm.model, guide, seed)
         if st["n"] == before:
-            direct += 1
             ref = grads_on_seed(PyroTrace_ELBO(), gm.model, guide, seed)
             for k in ref:
                 torch.testing.assert_close(ours[k], ref[k])
         else:  # the measuring step: b = 0.7 everywhere
             trace = grads_on_seed(PyroTrace_ELBO(), gm.model, guide, seed)
             stl = grads_on_seed(TraceSTL_ELBO(), gm.model, guide, seed)
+            measured.append(seed)
             for k in trace:
                 torch.testing.assert_close(ours[k], stl[k] + 0.7 * (trace[k] - stl[k]))
-    assert direct == 6 and st["n"] == n0 + 2
+    assert measured == _MEASURED_STEPS and st["n"] == n0 + 3
