@@ -164,6 +164,8 @@ def main(argv=None) -> None:
     diff = torch.tensor([(flat - ref).abs().max().item(), step_s, comm_s, pure], device=device)
     dist.all_reduce(diff, op=dist.ReduceOp.MAX)
     if rank == 0:
+        # a smoke run's few steps: its losses are of an untrained VAE, its times noise
+        note = "  (smoke run: not converged)" if args.smoke else ""
         n_params = flat.numel()
         print(
             f"digits VAE, hidden={args.hidden} ({n_params} params, {4 * n_params / 2**20:.2f} MB), "
@@ -173,17 +175,22 @@ def main(argv=None) -> None:
         b_step, _, b_loss = base
         print(
             f"1 process  ({args.threads} thread{'s' if args.threads > 1 else ''}): {1e3 * b_step:7.2f} ms/step  "
-            f"(batch {args.batch_size}; loss/image {b_loss:.2f})"
+            f"(batch {args.batch_size}; loss/image {b_loss:.2f}){note}"
         )
         print(
             f"{world} process{'es' if world > 1 else ''} ({args.threads} thread{'s' if args.threads > 1 else ''} each): "
             f"{1e3 * step_s:7.2f} ms/step on rank 0, {1e3 * diff[1].item():.2f} slowest rank "
-            f"(batch {args.batch_size // world} per rank; loss/image {loss:.2f})"
+            f"(batch {args.batch_size // world} per rank; loss/image {loss:.2f}){note}"
         )
         print(
             f"speed-up {b_step / diff[1].item():.2f}x; communication share "
             f"{100 * comm_s / step_s:.1f}% on rank 0 ({1e3 * comm_s:.2f} ms all_reduce per step), "
-            f"max over ranks {100 * diff[2].item() / diff[1].item():.1f}%"
+            f"max over ranks {100 * diff[2].item() / diff[1].item():.1f}%{note}"
+            + (
+                "  (one process: nothing to compare; run under torchrun --nproc_per_node=2)"
+                if world == 1
+                else ""
+            )
         )
         print(
             f"all_reduce alone (after a barrier): {1e3 * diff[3].item():.2f} ms per step "

@@ -78,15 +78,20 @@ def main(argv=None):
                     + ("  (smoke run: not converged)" if args.smoke else ""),
                     flush=True,
                 )
+        note = "  (smoke run: not converged)" if args.smoke else ""
         for est, v in results.items():
             t = torch.tensor(v)
-            se = (t.std() / len(t) ** 0.5).item() if len(t) > 1 else float("nan")
-            note = "  (smoke run: not converged)" if args.smoke else ""
-            print(f"K={K:3d} {est:4s} mean {t.mean().item():8.3f} +/- {se:.3f} nats{note}")
+            # one seed has no standard error: say so rather than print nan
+            if len(t) > 1:
+                figure = f"{t.mean().item():8.3f} +/- {(t.std() / len(t) ** 0.5).item():.3f} nats"
+            else:
+                figure = f"{t.mean().item():8.3f} nats (1 seed: no SE)"
+            print(f"K={K:3d} {est:4s} mean {figure}{note}")
         diff = torch.tensor(results["DReG"]) - torch.tensor(results["IWAE"])
         wins = int((diff > 0).sum())
         print(
-            f"K={K:3d} paired DReG - IWAE: {diff.mean().item():+.3f} nats, DReG ahead on {wins}/{len(diff)} seeds"
+            f"K={K:3d} paired DReG - IWAE: {diff.mean().item():+.3f} nats, DReG ahead on "
+            f"{wins}/{len(diff)} seeds{note}"
         )
 
 

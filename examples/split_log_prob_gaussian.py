@@ -60,6 +60,7 @@ def main(argv=None):
     print(
         f"|mean score-part gradient| over {len(z)} draws (-> 0 as draws grow):",
         [round(g.norm().item(), 4) for g in g_ours],
+        *(["(smoke run: not converged)"] if args.smoke else []),
     )
 
 

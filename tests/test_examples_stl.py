@@ -22,3 +22,8 @@ def test_example_smoke(script):
     assert out.stdout.strip()
     if script != "split_log_prob_gaussian.py":  # exact checks there, not fits
         assert "(smoke run: not converged)" in out.stdout
+    else:  # exact checks, and one Monte Carlo mean over 4 draws: only that one is labelled
+        lines = out.stdout.strip().splitlines()
+        assert lines[-1].startswith("|mean score-part gradient| over 4 draws")
+        assert lines[-1].endswith("(smoke run: not converged)")
+        assert all("smoke run" not in ln for ln in lines[:-1])
