@@ -107,6 +107,13 @@ _ELBO_METHODS = frozenset(
 )
 
 
+def handler_stack() -> list:
+    """The messengers of the Pyro handlers active now, innermost first (Pyro's ``_PYRO_STACK``)."""
+    from pyro.poutine.runtime import _PYRO_STACK
+
+    return list(reversed(_PYRO_STACK))
+
+
 def will_engine_execute(node) -> bool:
     """Whether the backward pass now running will run (or capture at) autograd ``node``.
 

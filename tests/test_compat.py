@@ -15,7 +15,7 @@ PRIVATE = re.compile(
     r"|_will_engine_execute_node|\._backward_hooks|[\"']_backward_hooks[\"']|sys\._getframe"
     r"|_cache_size|_cached_x_y|_cached_log_scale|_cache_log_detJ|_cached_logDetJ"
     r"|_cached_log_df_inv_dx|_cached_A\b|_cached_W_pre|_cached_C\b|_cached_T_C|\._params\b"
-    r"|_sum_rightmost|[\"']_parameters[\"']\]"
+    r"|_sum_rightmost|[\"']_parameters[\"']\]|_PYRO_STACK"
 )
 PENDING: set[str] = {"distributions/split.py"}  # _cache_size, _sum_rightmost
 
@@ -72,6 +72,11 @@ def test_compat_functions_work_on_the_installed_versions():
     elbo = Trace_ELBO()
     elbo.loss(model, guide)
     assert found and found[0] is elbo
+
+    outer, inner = pyro.poutine.scale(scale=2.0), pyro.poutine.mask(mask=True)
+    assert _compat.handler_stack() == []
+    with outer, inner:
+        assert _compat.handler_stack() == [inner, outer]
 
     def inner():
         return _compat.find_frame({outer.__code__: "outer"})

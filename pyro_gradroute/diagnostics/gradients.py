@@ -19,13 +19,19 @@ zero at every draw (STL at the exact posterior) has SNR NaN: it has no noise and
 from __future__ import annotations
 
 import copy
+import functools
 import math
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import pyro
 import pyro.poutine as poutine
 import torch
+from pyro.poutine.messenger import Messenger
+
+from .._compat import handler_stack
+from ..poutine.stick_the_landing_messenger import StickTheLandingMessenger, STLPolicy
 
 
 @dataclass
@@ -123,11 +129,69 @@ def _param_names(model, guide, args, kwargs) -> tuple[list[str], list[str]]:
     return guide_names, model_names
 
 
-def _snapshot(store, elbo):
-    """The param store (leaves, their values, constraints) and the estimator's state."""
+def _wrapping_messengers(fn) -> list:
+    """The messengers of the Pyro handlers applied to ``fn`` (``handler(fn)``), outermost first."""
+    out = []
+    while isinstance(fn, functools.partial):  # Pyro's handler(fn): partial(_context_wrap, m, fn)
+        if len(fn.args) >= 2 and isinstance(fn.args[0], Messenger):
+            out.append(fn.args[0])
+            fn = fn.args[1]
+        else:
+            fn = fn.func
+    return out
+
+
+def _step_counters(elbo, guide) -> list[STLPolicy]:
+    """The sticking-the-landing policies whose step counts a draw advances (``trace_steps``).
+
+    The estimator's (``TraceSTL_ELBO``, ``TraceAdaptiveSTL_ELBO``), and those of
+    ``stick_the_landing`` handlers wrapping the guide or active around the call.
+    """
+    found = {id(v): v for v in vars(elbo).values() if isinstance(v, STLPolicy)}
+    for m in (*_wrapping_messengers(guide), *handler_stack()):
+        if isinstance(m, StickTheLandingMessenger):
+            found[id(m._policy)] = m._policy
+    return list(found.values())
+
+
+#: caches keyed weakly on guides (an STL policy's memo of which guides need the general split)
+_WEAK = (weakref.WeakSet, weakref.WeakKeyDictionary, weakref.WeakValueDictionary)
+
+
+def _copy_value(v):
+    """A copy of an attribute's value that later draws cannot change (caches are shared)."""
+    if isinstance(v, _WEAK):
+        return v
+    try:
+        return copy.deepcopy(v)
+    except Exception:  # not copyable (a compiled JIT function, a graph tensor): shared
+        return v
+
+
+def _own_objects(elbo) -> list:
+    """The estimator's attribute objects of this package (state holders: a control variate's
+    moments and fit, an STL policy), restored in place (other references keep seeing them)."""
+    return [
+        v
+        for v in vars(elbo).values()
+        if type(v).__module__.startswith("pyro_gradroute.") and hasattr(v, "__dict__")
+    ]
+
+
+def _snapshot(store, elbo, counters):
+    """The param store (leaves, their values, constraints) and the estimator's state.
+
+    The estimator's state: its ``state_dict``, its attributes' values and those of the
+    objects of this package it holds (the adaptive estimators' moments, cached fit and
+    direct-step schedule), and ``counters``: the step counts of the ``stick_the_landing``
+    policies a draw advances (``trace_steps``), as :func:`_step_counters` found them.
+    """
     leaves = {n: (p, p.detach().clone()) for n, p in store.named_parameters()}
     state = getattr(elbo, "state_dict", None)
-    return leaves, store.get_state(), copy.deepcopy(state()) if callable(state) else None
+    elbo_state = copy.deepcopy(state()) if callable(state) else None
+    attrs = {k: _copy_value(v) for k, v in vars(elbo).items()}
+    inner = [(obj, {k: _copy_value(v) for k, v in vars(obj).items()}) for obj in _own_objects(elbo)]
+    return leaves, store.get_state(), elbo_state, (dict(vars(elbo)), attrs, inner), counters
 
 
 def _restore(store, elbo, snapshot) -> None:
@@ -135,9 +199,12 @@ def _restore(store, elbo, snapshot) -> None:
 
     A parameter created by the draws (a ``TraceGraph_ELBO`` baseline) is removed; one an
     ELBO replaced (a decaying-average baseline) is put back; values changed in place are
-    restored in place (an optimizer keeps referring to the same leaves).
+    restored in place (an optimizer keeps referring to the same leaves). The estimator gets
+    its ``state_dict``, then its attributes' values back (the objects of this package it
+    holds restored in place; attributes a draw created, such as a JIT ELBO's compiled loss,
+    are caches and are kept), and the policies their step counts.
     """
-    leaves, state, elbo_state = snapshot
+    leaves, state, elbo_state, (objects, attrs, inner), counters = snapshot
     for name in [n for n in store.keys() if n not in leaves]:
         del store[name]
     store.set_state(state)
@@ -146,6 +213,14 @@ def _restore(store, elbo, snapshot) -> None:
             leaf.copy_(value)
     if elbo_state is not None:
         elbo.load_state_dict(elbo_state)
+    in_place = {id(obj) for obj, _ in inner}
+    vars(elbo).update(
+        {k: objects[k] if id(objects[k]) in in_place else _copy_value(v) for k, v in attrs.items()}
+    )
+    for obj, values in inner:
+        vars(obj).update({k: _copy_value(v) for k, v in values.items()})
+    for policy, steps in counters:
+        policy.steps = steps
 
 
 def gradient_stats(
@@ -163,10 +238,13 @@ def gradient_stats(
     Each draw calls ``elbo.loss_and_grads(model, guide, *args, **kwargs)`` -- the code path
     :class:`pyro.infer.SVI` uses, so block_grad routes and estimator-specific surrogate losses
     are honoured -- and reads the ``.grad`` of every param-store parameter the model or guide
-    reads. The param store is left as it was (the same leaf tensors with the same values:
-    state an ELBO keeps there, such as ``TraceGraph_ELBO``'s decaying-average baselines, is
-    put back, and parameters the draws created are removed), and so is the state of an
-    estimator with ``state_dict`` / ``load_state_dict`` (the adaptive estimators' moments);
+    reads. Every draw starts from the same state, so the draws are independent evaluations
+    of the estimator's next step, and that state is left as it was afterwards: the param
+    store (the same leaf tensors with the same values: state an ELBO keeps there, such as
+    ``TraceGraph_ELBO``'s decaying-average baselines, is put back, and parameters the draws
+    created are removed), the estimator's attributes and its ``state_dict`` (the adaptive
+    estimators' moments and direct-step schedule), the step counts of ``trace_steps``
+    (``TraceSTL_ELBO``, ``stick_the_landing`` wrapping the guide or active around the call);
     every parameter's ``.grad`` is restored to what it was (the same tensor, or ``None``);
     torch's global random state is restored too (pass
     ``seed`` for reproducible draws). Parameters that do not exist yet are created, as SVI's
@@ -202,16 +280,20 @@ def gradient_stats(
     with torch.random.fork_rng(devices=[]):
         if seed is not None:
             torch.manual_seed(seed)
+        # before the trace that finds the parameters: a handler counts the guide's runs
+        counters = [(policy, policy.steps) for policy in _step_counters(elbo, guide)]
         guide_names, model_names = _param_names(model, guide, args, kwargs)
         params = {n: p for n, p in store.named_parameters() if n in guide_names + model_names}
         saved = {n: p.grad for n, p in store.named_parameters()}
-        snapshot = _snapshot(store, elbo)
+        snapshot = _snapshot(store, elbo, counters)
         count = 0
         mean = {n: torch.zeros_like(p, dtype=torch.float64) for n, p in params.items()}
         m2 = {n: torch.zeros_like(p, dtype=torch.float64) for n, p in params.items()}
         kept: dict[str, list] = {n: [] for n in params}
         try:
-            for _ in range(num_draws):
+            for d in range(num_draws):
+                if d:  # every draw is the estimator's next step from the same state
+                    _restore(store, elbo, snapshot)
                 for _, p in store.named_parameters():
                     p.grad = None
                 elbo.loss_and_grads(model, guide, *args, **kwargs)
