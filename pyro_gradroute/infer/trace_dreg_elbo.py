@@ -257,6 +257,8 @@ class TraceDReG_ELBO(RoutedELBO):
             return
         try:
             pair = next(super()._get_traces(model, guide, args, kwargs))
+        except NotImplementedError:
+            raise  # a documented refusal (a RuntimeError too), not a failed vectorized pass
         except (RuntimeError, IndexError) as e:
             raise type(e)(
                 f"{type(self).__name__}: the model or guide failed while its "

@@ -351,3 +351,22 @@ def test_pickle_round_trip_gives_the_same_loss_and_gradients(make):
     assert l1 == l2
     for a, b in zip(g1, g2):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("vectorize", [True, False])
+@pytest.mark.parametrize(
+    "Elbo", [TraceDReG_ELBO, ReweightedWakeSleepDReG], ids=["dreg", "rws_dreg"]
+)
+def test_guide_messenger_at_several_particles_is_the_documented_refusal(Elbo, vectorize):
+    """Not wrapped in the vectorized-pass message, whose vectorize_particles=False would not help."""
+
+    def model():
+        pyro.sample("x", dist.Normal(0.0, 1.0))
+
+    pyro.clear_param_store()
+    guide = ag.AutoNormalMessenger(model)
+    with pytest.raises(NotImplementedError, match="^GuideMessenger guides are not supported") as e:
+        Elbo(num_particles=3, vectorize_particles=vectorize, max_plate_nesting=0).loss_and_grads(
+            model, guide
+        )
+    assert "vectorize_particles=False" not in str(e.value)
