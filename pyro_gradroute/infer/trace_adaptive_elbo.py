@@ -166,7 +166,7 @@ class _ControlVariate:
 
     #: after the first ``_FRESH`` steps past warm-up, the fit is recomputed every ``_REFIT``
     #: steps (the weights still come from earlier steps only; a fit costs ~35 vector ops)
-    _REFIT, _FRESH = 4, 20
+    _REFIT, _FRESH = 4, 10
 
     def _cached_fit(self, st: dict, like: torch.Tensor) -> dict:
         fit = st.get("fit")
@@ -348,6 +348,16 @@ class _ControlVariate:
                 }
                 for k, st in self.state.items()
             },
+            # the fits in use (refitted every few steps): a resumed run applies the same b
+            "fits": {
+                k: {
+                    kk: (v.clone() if torch.is_tensor(v) else v)
+                    for kk, v in st["fit"].items()
+                    if kk != "views"
+                }  # fmt: skip
+                for k, st in self.state.items()
+                if st.get("fit") is not None
+            },
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -368,6 +378,11 @@ class _ControlVariate:
             k: {kk: (v.clone() if torch.is_tensor(v) else v) for kk, v in st.items()}
             for k, st in state["moments"].items()
         }
+        for k, fit in state.get("fits", {}).items():
+            if k in self.state:
+                self.state[k]["fit"] = {
+                    kk: (v.clone() if torch.is_tensor(v) else v) for kk, v in fit.items()
+                }
         self.layouts = {k: [tuple(e) for e in v] for k, v in state.get("layouts", {}).items()}
 
 
@@ -444,7 +459,7 @@ class _AdaptiveMixin:
         self._cv = _ControlVariate(decay, clip, warmup, center, confidence, fixed_weight, mix_gain)
         self._distributed = distributed
         self._key: str | None = None  # the joint state of the last measured step's parameters
-        self._unmeasured = 0
+        self._unmeasured, self._interval, self._last_end = 0, 4, None  # direct steps' schedule
 
     # -- public state ---------------------------------------------------------------
     @property
@@ -460,17 +475,23 @@ class _AdaptiveMixin:
         return self._cv.weights()
 
     def state_dict(self) -> dict:
-        """The running moments and settings, to resume the same estimator from a checkpoint."""
-        return self._cv.state_dict()
+        """The running moments and settings, to resume the same estimator from a checkpoint
+        (with the schedule of direct and measured steps)."""
+        schedule = {"key": self._key, "unmeasured": self._unmeasured}
+        schedule.update(interval=self._interval, last_end=self._last_end)
+        return {**self._cv.state_dict(), "schedule": schedule}
 
     def load_state_dict(self, state: dict) -> None:
         self._cv.load_state_dict(state)
+        sch = state.get("schedule", {})
+        self._key, self._unmeasured = sch.get("key"), sch.get("unmeasured", 0)
+        self._interval, self._last_end = sch.get("interval", 4), sch.get("last_end")
 
     def reset(self) -> None:
         """Forget the moments (the next step is ``Trace_ELBO``'s / IWAE's, ``b = 1``)."""
         self._cv.state.clear()
         self._cv.layouts.clear()
-        self._key, self._unmeasured = None, 0
+        self._key, self._unmeasured, self._last_end = None, 0, None
 
     # -- the step -------------------------------------------------------------------
     _cv_first = True  # whether the control variate's pass runs before the base backward
@@ -842,11 +863,13 @@ class TraceAdaptiveSTL_ELBO(_AdaptiveMixin, TraceSTL_ELBO):
     for an amortized guide, one backward of the encoder), plus eight buffers (five without
     ``center``) of each guide parameter's size, kept as one joint state for the step's
     parameters: one fit and one update per step, the fit recomputed every 4 steps after the
-    first 20 past warm-up. Such a measured step costs about 1.2-1.3 ``Trace_ELBO`` steps.
-    Once settled (after those 20), three steps in four of ``loss_and_grads`` in one process
-    (SVI's path; ``differentiable_loss`` and distributed runs measure every step) take STL's
-    or ``Trace_ELBO``'s gradient directly (one backward, no moments; the fourth measures both
-    parts) when the
+    first 10 past warm-up. Such a measured step costs about 1.2-1.4 ``Trace_ELBO`` steps.
+    Once settled (after those 10), ``loss_and_grads`` in one process (SVI's path;
+    ``differentiable_loss`` and distributed runs measure every step) takes STL's or
+    ``Trace_ELBO``'s gradient directly (one backward, no moments; about 1.0 ``Trace_ELBO``
+    step) on all steps but one in 4, then one in 8, then one in 16 while the policy keeps
+    the same choice (back to one in 4 when it changes; the measured step forms both parts)
+    when the
     per-element mix would not pay for that cost: while every weight is exactly 0 or exactly
     1, or while the better endpoint's predicted total second moment
     :math:`S(e) = \lVert \mathbb E g \rVert^2 + \sum_e \operatorname{Var} g_e(e)` is
@@ -911,8 +934,8 @@ class TraceAdaptiveSTL_ELBO(_AdaptiveMixin, TraceSTL_ELBO):
         eight; no direct steps while the weights are mixed).
     :param distributed: average the parts over ``torch.distributed`` ranks (see above).
     :param mix_gain: the smallest predicted reduction of the gradient's second moment,
-        better endpoint over the fitted mix, for which every step measures; below it three
-        steps in four take the endpoint directly (see **Cost**; 1.25: about what a measured
+        better endpoint over the fitted mix, for which every step measures; below it most
+        steps take the endpoint directly (see **Cost**; 1.25: about what a measured
         step costs over a direct one). ``None``: every step measures while the weights
         are mixed.
 
@@ -937,31 +960,37 @@ class TraceAdaptiveSTL_ELBO(_AdaptiveMixin, TraceSTL_ELBO):
         super().__init__(num_particles, max_plate_nesting, *args, **kwargs)
         self._init_cv(decay, clip, warmup, center, distributed, confidence, fixed_weight, mix_gain)
 
-    #: while every weight sits at one endpoint, the parts are measured on one step in this many
-    _MEASURE_EVERY = 4
+    #: while the policy keeps choosing the same endpoint, the parts are measured on one step
+    #: in ``_MEASURE_EVERY``, then in twice as many after each measurement that confirms the
+    #: choice, up to one in ``_MEASURE_MAX``
+    _MEASURE_EVERY, _MEASURE_MAX = 4, 16
 
     def loss_and_grads(self, model, guide, *args, **kwargs) -> float:
         """As :meth:`_AdaptiveMixin.loss_and_grads`; while the policy says a whole estimator
-        would do (``mix_gain``), three steps in four take STL's or ``Trace_ELBO``'s gradient
-        directly (one backward, no moments), chosen from earlier steps only, so every step
-        stays unbiased."""
+        would do (``mix_gain``), most steps take STL's or ``Trace_ELBO``'s gradient directly
+        (one backward, no moments; a measured step every 4, then 8, then 16 steps while the
+        choice holds), chosen from earlier steps only, so every step stays unbiased."""
         end = self._cv.uniform(self._key) if self._key is not None else None
-        self._unmeasured = self._unmeasured + 1 if end is not None else 0
-        if (
-            end is not None
-            and self._unmeasured % self._MEASURE_EVERY
-            and _world(self._distributed) == 1
-        ):
-            self._policy.ordinary = end == 1.0
-            try:
-                return RoutedELBO.loss_and_grads(self, model, guide, *args, **kwargs)
-            finally:
-                self._policy.ordinary = False
+        if end is None or end != self._last_end:
+            self._unmeasured, self._interval = 0, self._MEASURE_EVERY
+        self._last_end = end
+        if end is not None and _world(self._distributed) == 1:
+            self._unmeasured += 1
+            if self._unmeasured < self._interval:
+                self._policy.ordinary, self._scores = end == 1.0, False
+                try:
+                    return RoutedELBO.loss_and_grads(self, model, guide, *args, **kwargs)
+                finally:
+                    self._policy.ordinary, self._scores = False, True
+            self._unmeasured = 0  # this step measures; the next wait is longer
+            self._interval = min(2 * self._interval, self._MEASURE_MAX)
         return super().loss_and_grads(model, guide, *args, **kwargs)
+
+    _scores = True  # False during a direct step: no score parts are formed
 
     def _particle_terms(self, model_trace, guide_trace, blocks=None) -> tuple[float, Terms]:
         elbo, terms = super()._particle_terms(model_trace, guide_trace, blocks)
-        if torch.is_grad_enabled():
+        if self._scores and torch.is_grad_enabled():
             scores = []
             for name, site in guide_trace.nodes.items():
                 if site["type"] != "sample" or site["is_observed"]:
