@@ -4,8 +4,11 @@ Run: ``python benchmarks/bench_convergence.py --quick`` (under 10 minutes on 2 c
 ``--full`` (every model at its script's settings); ``--json PATH`` writes the results.
 
 Models (each built afresh from the seed, so every estimator of a seed index starts from the
-same initialisation and draws from the same seed: paired seeds; a seed's estimators run back to
-back, so the machine's load drifts alike over all of them):
+same initialisation and draws from the same seed: paired seeds). A seed's estimators train in
+lockstep: one step of each in turn, each with its own parameters, optimizer and random stream
+swapped in around its step, so a change in the machine's load falls on all of them alike. Every
+evaluation draws its own random numbers from a seed of its own (the same for every estimator
+of a seed: common random numbers), so paired differences are not drowned by evaluation noise:
 
 * ``eight_schools``: Pyro's ``examples/eight_schools/svi.py`` -- its model, its guide with the
   ``0.1 * rand`` scales, Adam lr 0.01, 1000 steps (``eta``'s parameters of shape ``(J,)``,
@@ -46,15 +49,19 @@ Reported per model x estimator, over the seeds:
   the cheap estimate, taken every ``eval_every`` steps, first reaches the cheap estimate of
   ``Trace_ELBO``'s last evaluation on the same seed (median over the seeds that reach it;
   ``n/N`` reached);
-* ``d @ equal time``: the cheap estimate at ``Trace_ELBO``'s total training CPU time (linear
-  between the two evaluations around it, a chord: conservative on a concave curve), minus
-  ``Trace_ELBO``'s last cheap estimate (paired, mean and SE);
-* ``ms/step``: mean CPU time per training step (``time.thread_time``).
+* ``d @ equal time``: the ELBO (``final_draws``, common random numbers) at ``Trace_ELBO``'s
+  total training CPU time, minus ``Trace_ELBO``'s final ELBO (paired, mean and SE). The
+  parameters are kept every 2% of the steps; the two kept around that time are evaluated and
+  the ELBO read on the chord between them (conservative on a concave curve); an estimator
+  that finishes sooner is read at its end (also conservative);
+* ``ms/step``: mean CPU time per training step (``time.thread_time``); ``CPU / trace``: the
+  mean over seeds of the run's training CPU time over ``Trace_ELBO``'s, in the same lockstep.
 
 ``--quick``: 5 seeds, 30% of each model's steps (``trace->stl`` switches at 30% of those),
 300 final draws (the VAE: 3 per training digit, its steps 150 and held-out 50 draws),
 evaluations every 10% of the steps with 10 draws. ``--full``: 5 seeds, the script's steps,
-2000 final draws, every 50 steps. One torch thread throughout.
+2000 final draws, every 50 steps. One torch thread throughout; before a model's timed runs,
+five untimed steps of each estimator (the process's first-call costs).
 """
 
 from __future__ import annotations
@@ -319,49 +326,144 @@ ESTIMATORS: dict[str, tuple[Callable, set | None]] = {
 
 
 # ----------------------------------------------------------------------------- measuring
-def elbo_estimate(p: Problem, draws: int) -> float:
-    """Mean of ``log p(x, z) - log q(z)`` over ``draws`` guide draws (no gradients)."""
-    if p.final is not None:
-        return p.final(max(1, draws // 100))  # per digit: a draw for each training digit
-    with torch.no_grad():
-        if p.enum:
-            elbo = TraceEnum_ELBO(num_particles=draws, max_plate_nesting=p.max_plate_nesting)
-        elif p.vectorizes:
-            elbo = Trace_ELBO(num_particles=draws, vectorize_particles=True,
-                              max_plate_nesting=p.max_plate_nesting)  # fmt: skip
-        else:
-            elbo = Trace_ELBO(num_particles=draws)
-        return -elbo.loss(p.model, p.guide, *p.args)
+def elbo_estimate(p: Problem, draws: int, seed: int = 0) -> float:
+    """Mean of ``log p(x, z) - log q(z)`` over ``draws`` guide draws (no gradients).
+
+    The draws come from their own generator state (``seed``), so every estimator's guide is
+    scored on the same random numbers (common random numbers: paired estimates) and the
+    training run's random stream is left as it was.
+    """
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(10_000 + seed)
+        if p.final is not None:
+            return p.final(max(1, draws // 100))  # per digit: a draw for each training digit
+        with torch.no_grad():
+            if p.enum:
+                elbo = TraceEnum_ELBO(num_particles=draws, max_plate_nesting=p.max_plate_nesting)
+            elif p.vectorizes:
+                elbo = Trace_ELBO(num_particles=draws, vectorize_particles=True,
+                                  max_plate_nesting=p.max_plate_nesting)  # fmt: skip
+            else:
+                elbo = Trace_ELBO(num_particles=draws)
+            return -elbo.loss(p.model, p.guide, *p.args)
 
 
-def run_cell(model: str, est: str, seed: int, cfg: dict) -> dict | None:
-    pyro.clear_param_store()
-    pyro.set_rng_seed(seed)
-    p = MODELS[model](seed)
-    steps = cfg["steps"](model, p.steps)
-    schedule = ESTIMATORS[est][0](p)
-    if schedule(0, steps) is None:
-        return None
-    every = max(1, steps // cfg["evals"])
-    optim = pyro.optim.Adam({"lr": p.lr})
-    cpu, history, current, svi = 0.0, [], None, None
-    for step in range(steps):
-        elbo, guide = schedule(step, steps)
-        if elbo is not current:  # a new estimator (a schedule's switch): same optimizer
-            svi, current = SVI(p.model, guide, optim, elbo), elbo
+class _Run:
+    """One estimator's training run, with its own parameters, optimizer and random stream.
+
+    The runs of a seed take their steps in turn (lockstep): before a step the run's
+    parameters and random state are swapped in, after it they are swapped out (untimed). So
+    a change in the machine's load falls on every estimator's steps alike.
+    """
+
+    def __init__(self, model: str, est: str, seed: int):
+        pyro.clear_param_store()
+        pyro.set_rng_seed(seed)
+        self.p = MODELS[model](seed)
+        self.schedule = ESTIMATORS[est][0](self.p)
+        self.store = pyro.get_param_store().get_state()
+        self.rng = torch.get_rng_state()
+        self.optim = pyro.optim.Adam({"lr": self.p.lr})
+        self.svi, self.current = None, None
+        self.cpu, self.history, self.snapshots = 0.0, [], []
+
+    def __enter__(self):
+        pyro.clear_param_store()
+        pyro.get_param_store().set_state(self.store)
+        torch.set_rng_state(self.rng)
+        return self
+
+    def __exit__(self, *exc):
+        self.store = pyro.get_param_store().get_state()
+        self.rng = torch.get_rng_state()
+
+    def snapshot(self) -> None:
+        """The parameters now (copies) and the training CPU time so far."""
+        values = {k: v.detach().clone() for k, v in pyro.get_param_store().named_parameters()}
+        self.snapshots.append((self.cpu, values))
+
+    def step(self, step: int, steps: int) -> None:
+        elbo, guide = self.schedule(step, steps)
+        if elbo is not self.current:  # a new estimator (a schedule's switch): same optimizer
+            self.svi, self.current = SVI(self.p.model, guide, self.optim, elbo), elbo
         t0 = time.thread_time()
-        svi.step(*p.args)
-        cpu += time.thread_time() - t0
-        if (step + 1) % every == 0 or step + 1 == steps:
-            history.append((step + 1, cpu, elbo_estimate(p, cfg["eval_draws"])))
-    out = {
-        "elbo": elbo_estimate(p, cfg["final_draws"]),
-        "history": history,
-        "cpu": cpu,
-        "ms_per_step": 1000 * cpu / steps,
-    }
-    if p.heldout is not None:
-        out["heldout"] = p.heldout(cfg["heldout_draws"])
+        self.svi.step(*self.p.args)
+        self.cpu += time.thread_time() - t0
+
+    def elbo_at(self, cpu: float, draws: int, seed: int) -> float:
+        """The ELBO (``draws`` draws) of the parameters at training CPU time ``cpu``.
+
+        Linear between the two snapshots around ``cpu`` (a chord: conservative on a concave
+        curve); past the last snapshot, the last (the final parameters).
+        """
+        live = dict(pyro.get_param_store().named_parameters())  # unconstrained leaves
+        final = {k: v.detach().clone() for k, v in live.items()}
+        points = []
+        prev = None
+        for c, values in self.snapshots:
+            if c >= cpu:
+                points = [prev, (c, values)] if prev is not None else [(c, values)]
+                break
+            prev = (c, values)
+        else:
+            points = [prev]
+        out = []
+        try:
+            for c, values in points:
+                with torch.no_grad():
+                    for k, v in values.items():
+                        live[k].copy_(v)
+                out.append((c, elbo_estimate(self.p, draws, seed)))
+        finally:
+            with torch.no_grad():
+                for k, v in final.items():
+                    live[k].copy_(v)
+        return _at_time([(None, c, e) for c, e in out], cpu)
+
+
+def run_seed(model: str, ests: list[str], seed: int, cfg: dict) -> dict:
+    """Every estimator of ``ests`` trained on ``model`` from seed ``seed``, in lockstep.
+
+    Returns ``{estimator: result}`` for the estimators that apply to the model.
+    """
+    runs = {}
+    for est in ests:
+        r = _Run(model, est, seed)
+        steps = cfg["steps"](model, r.p.steps)
+        if r.schedule(0, steps) is not None:
+            runs[est] = r
+    if not runs:
+        return {}
+    steps = cfg["steps"](model, next(iter(runs.values())).p.steps)
+    every = max(1, steps // cfg["evals"])
+    snap_every = max(1, steps // 50)
+    for step in range(steps):
+        for r in runs.values():
+            with r:
+                r.step(step, steps)
+                if (step + 1) % snap_every == 0 or step + 1 == steps:
+                    r.snapshot()
+                if (step + 1) % every == 0 or step + 1 == steps:
+                    r.history.append((step + 1, r.cpu, elbo_estimate(r.p, cfg["eval_draws"], seed)))
+    out = {}
+    base = runs.get("trace")
+    for est, r in runs.items():
+        with r:
+            res = {
+                "elbo": elbo_estimate(r.p, cfg["final_draws"], seed),
+                "history": r.history,
+                "cpu": r.cpu,
+                "ms_per_step": 1000 * r.cpu / steps,
+            }
+            if base is not None:
+                res["elbo_eq_time"] = (
+                    res["elbo"] if r is base else r.elbo_at(base.cpu, cfg["final_draws"], seed)
+                )
+            if r.p.heldout is not None:
+                with torch.random.fork_rng(devices=[]):
+                    torch.manual_seed(20_000 + seed)
+                    res["heldout"] = r.p.heldout(cfg["heldout_draws"])
+        out[est] = res
     return out
 
 
@@ -374,10 +476,11 @@ def _mse(xs):
 
 
 def _at_time(history, cpu: float) -> float:
-    """The cheap estimate at CPU time ``cpu``: linear between the evaluations around it.
+    """The estimate at CPU time ``cpu`` from ``(step, cpu, estimate)`` points: linear between
+    the two around it.
 
     (A curve that rises ever more slowly lies above its chords, so this is conservative.)
-    Before the first evaluation, the first; past the last, the last.
+    Before the first point, the first; past the last, the last.
     """
     t_prev, e_prev = 0.0, None
     for _, c, e in history:
@@ -405,16 +508,18 @@ def summarize(results: dict) -> list[dict]:
                 row["diff"], row["diff_se"] = _mse(
                     [r["elbo"] - b["elbo"] for r, b in zip(runs, base)]
                 )
-                reach, eq = [], []
+                row["cpu_ratio"] = statistics.mean(r["cpu"] / b["cpu"] for r, b in zip(runs, base))
+                reach = []
                 for r, b in zip(runs, base):
                     target = b["history"][-1][2]
                     t = next((c for _, c, e in r["history"] if e >= target), None)
                     if t is not None:
                         reach.append(t)
-                    eq.append(_at_time(r["history"], b["cpu"]) - target)
                 row["t_reach"] = statistics.median(reach) if reach else math.nan
                 row["reached"] = f"{len(reach)}/{len(runs)}"
-                row["diff_eq_time"], row["diff_eq_time_se"] = _mse(eq)
+                row["diff_eq_time"], row["diff_eq_time_se"] = _mse(
+                    [r["elbo_eq_time"] - b["elbo"] for r, b in zip(runs, base)]
+                )
             rows.append(row)
     return rows
 
@@ -425,8 +530,8 @@ def _f(x, spec=".2f"):
 
 def markdown(rows: list[dict]) -> str:
     head = ("| model | estimator | ELBO | d vs trace | held-out | t to trace (s) | "
-            "d @ equal time | ms/step |")  # fmt: skip
-    lines = [head, "|---|---|---|---|---|---|---|---|"]
+            "d @ equal time | ms/step | CPU / trace |")  # fmt: skip
+    lines = [head, "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
             f"| {r['model']} | {r['estimator']} | {_f(r['elbo'])} ± {_f(r['elbo_se'])} | "
@@ -434,9 +539,14 @@ def markdown(rows: list[dict]) -> str:
             + (f"{_f(r['heldout'])} ± {_f(r['heldout_se'])}" if "heldout" in r else "-")
             + f" | {_f(r.get('t_reach'))} ({r.get('reached', '-')}) | "
             f"{_f(r.get('diff_eq_time'))} ± {_f(r.get('diff_eq_time_se'))} | "
-            f"{_f(r['ms_per_step'], '.2f')} |"
+            f"{_f(r['ms_per_step'], '.2f')} | {_f(r.get('cpu_ratio'), '.3f')} |"
         )
     return "\n".join(lines)
+
+
+#: a few steps of every estimator on a model before its timed runs (lazy imports, caches)
+_WARM = {"steps": lambda m, s: 5, "evals": 1, "eval_draws": 2, "final_draws": 2,
+         "heldout_draws": 2}  # fmt: skip
 
 
 def main() -> None:
@@ -468,15 +578,10 @@ def main() -> None:
     for model in models:
         applies = [e for e in ests if ESTIMATORS[e][1] is None or model in ESTIMATORS[e][1]]
         runs: dict = {e: [] for e in applies}
-        # seeds outermost: a seed's estimators run back to back, so a change in the machine's
-        # load between seeds falls on every estimator alike (the CPU times are paired too)
-        for seed in range(args.seeds):
-            for est in applies:
-                if len(runs[est]) < seed:
-                    continue  # an estimator that does not apply to the model (run_cell: None)
-                r = run_cell(model, est, seed, cfg)
-                if r is not None:
-                    runs[est].append(r)
+        run_seed(model, applies, 999, _WARM)  # untimed: the process's first-call costs
+        for seed in range(args.seeds):  # a seed's estimators train in lockstep (run_seed)
+            for est, r in run_seed(model, applies, seed, cfg).items():
+                runs[est].append(r)
         results[model] = {e: r for e, r in runs.items() if r}
         print(f"{model:>14}: {args.seeds} seeds x {len(results[model])} estimators, "
               f"{time.perf_counter() - t_start:.0f} s elapsed", flush=True)  # fmt: skip
