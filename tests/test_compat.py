@@ -17,7 +17,7 @@ PRIVATE = re.compile(
     r"|_cached_log_df_inv_dx|_cached_A\b|_cached_W_pre|_cached_C\b|_cached_T_C|\._params\b"
     r"|_sum_rightmost|[\"']_parameters[\"']\]|_PYRO_STACK"
 )
-PENDING: set[str] = {"distributions/split.py"}  # _cache_size, _sum_rightmost
+PENDING: set[str] = set()
 
 
 def uses():

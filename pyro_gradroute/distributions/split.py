@@ -88,8 +88,8 @@ from pyro.distributions.torch_distribution import (
 )
 from pyro.ops.provenance import detach_provenance, get_provenance, track_provenance
 from torch.distributions import Distribution, Independent, TransformedDistribution
-from torch.distributions.utils import _sum_rightmost
 
+from .._compat import sum_rightmost, transform_cache
 from . import flows
 
 __all__ = [
@@ -491,7 +491,7 @@ def _cached(t) -> bool:
         return all(_cached(p) for p in t.parts)
     if isinstance(t, IndependentTransform):
         return _cached(t.base_transform)
-    return getattr(t, "_cache_size", 0) >= 1
+    return transform_cache(t) is not None
 
 
 def _transformed_log_prob(fn: TransformedDistribution, x: torch.Tensor) -> torch.Tensor:
@@ -503,11 +503,11 @@ def _transformed_log_prob(fn: TransformedDistribution, x: torch.Tensor) -> torch
         t = t.with_cache(0)
         y_next = t(y)
         ladj = t.log_abs_det_jacobian(y, y_next)
-        log_prob = log_prob - _sum_rightmost(ladj, event_dim - t.codomain.event_dim)
+        log_prob = log_prob - sum_rightmost(ladj, event_dim - t.codomain.event_dim)
         y = y_next
     base_event = len(fn.base_dist.event_shape)
     base_lp = fn.base_dist.log_prob(x)
-    return log_prob + _sum_rightmost(base_lp, event_dim - base_event)
+    return log_prob + sum_rightmost(base_lp, event_dim - base_event)
 
 
 def _evaluate(fn: Distribution, value: torch.Tensor, preimage, grad_mode: bool, raw=None):
