@@ -370,3 +370,38 @@ def test_guide_messenger_at_several_particles_is_the_documented_refusal(Elbo, ve
             model, guide
         )
     assert "vectorize_particles=False" not in str(e.value)
+
+
+def _scaled_link_problem(subsample_size):
+    data = torch.tensor([0.3, -1.2, 0.8, 2.0, -0.1, 0.5])
+
+    def model():
+        mu = pyro.sample("mu", dist.Normal(0.0, 1.0))
+        with pyro.plate("d", len(data), subsample_size=subsample_size) as i:
+            z = pyro.sample("z", dist.Normal(mu, 1.0))
+            pyro.sample("x", dist.Normal(z, 1.0), obs=data[i])
+
+    def guide():
+        m = pyro.param("m", torch.tensor(0.1))
+        a = pyro.param("a", torch.zeros(len(data)))
+        mu = pyro.sample("mu", dist.Normal(m, 1.0))
+        with pyro.plate("d", len(data), subsample_size=subsample_size) as i:
+            pyro.sample("z", dist.Normal(a[i] + mu, 1.0))  # reads mu, of another scale
+
+    return model, guide
+
+
+def test_conditional_link_between_draws_of_different_scales_is_a_clear_error():
+    """A nested subsampled plate: the link's per-path factor would depend on the scale."""
+    model, guide = _scaled_link_problem(subsample_size=2)
+    pyro.clear_param_store()
+    with pytest.raises(ValueError, match="site 'z'.*different scales.*RenyiELBO\\(alpha=0\\)"):
+        TraceDReG_ELBO(num_particles=3, max_plate_nesting=1).loss_and_grads(model, guide)
+    # without subsampling the link joins draws of one scale: the loss is RenyiELBO's
+    model, guide = _scaled_link_problem(subsample_size=None)
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    ours = TraceDReG_ELBO(num_particles=3, max_plate_nesting=1).loss_and_grads(model, guide)
+    pyro.set_rng_seed(0)
+    ref = RenyiELBO(alpha=0, num_particles=3, vectorize_particles=True, max_plate_nesting=1)
+    assert ours == pytest.approx(ref.loss(model, guide), rel=1e-6)
