@@ -6,8 +6,12 @@ and ``torch.optim.Adam`` on its own shard. References, in this process, without 
 * deterministic guide (``AutoDelta``): one process on the union of the shards;
 * stochastic guide (``AutoNormal``): each rank's gradient on its shard with its own random
   stream (replayed here), averaged by hand: the same draws as the ranks;
-* adaptive estimators: their other distributed path, ``SVI`` + ``DistributedOptimizer``
-  (``loss_and_grads``), on the same ranks and draws; and their moments agree across ranks.
+* adaptive estimators: one process from their endpoints (each step's gradient is the ranks'
+  mean of ``g_path + b g_cv``, ``g_path`` the base estimator's and ``g_path + g_cv`` Pyro's
+  ``Trace_ELBO`` / ``RenyiELBO`` gradient on the same draws; the moments are the hand-summed
+  moments of the ranks' mean parts); their other distributed path, ``SVI`` +
+  ``DistributedOptimizer`` (``loss_and_grads``), on the same ranks and draws; and their
+  moments agree across ranks.
 """
 
 from __future__ import annotations
@@ -80,6 +84,38 @@ def test_ddp_adaptive_equals_svi_with_distributed_optimizer_and_state_agrees(ran
                     torch.testing.assert_close(
                         v, ddp[1]["state"][name][key], atol=0, rtol=0
                     )  # identical on every rank
+
+
+@pytest.mark.parametrize("run", [r for r in w.RUNS if r.partition("+")[0] in w.ADAPTIVE])
+def test_ddp_adaptive_equals_one_process_from_its_endpoints(ranks, run):
+    """One process, no DDP and no process group: each step's DDP gradient is the ranks' mean of
+    ``g_path + b g_cv``, with ``g_path`` the base estimator's gradient and ``g_path + g_cv``
+    Pyro's ``Trace_ELBO`` / ``RenyiELBO(alpha=0)`` gradient on the same draws and shard; the
+    moments are the exponentially weighted sums of the ranks' mean parts, by hand."""
+    torch.set_default_dtype(torch.float64)
+    trails = [r["normal"][run]["trail"] for r in ranks]
+    assert len(trails[0]) == len(trails[1]) == w.STEPS
+    for a, b in zip(*trails):  # every step starts from the same parameters and weights
+        _assert_close(a["params"], b["params"])
+        assert a["b"].keys() == b["b"].keys()
+        for k in a["b"]:
+            torch.testing.assert_close(a["b"][k], b["b"][k], atol=0, rtol=0)
+    ref = w.adaptive_parts_reference(run, trails)
+    mixed = 0  # steps whose weights are strictly between the endpoints somewhere
+    for step, (a, b, r) in enumerate(zip(*trails, ref)):
+        for name, trail in (("rank 0", a), ("rank 1", b)):
+            for k in r["grad"]:
+                torch.testing.assert_close(
+                    trail["grad"][k], r["grad"][k], atol=1e-9, rtol=0, msg=f"{name} step {step} {k}"
+                )
+        mixed += any(((v > 0) & (v < 1)).any() for v in a["b"].values())
+    assert mixed >= 2, "the weights never left the endpoints: the mix is not tested"
+    for rank in ranks:
+        (key,) = rank["normal"][run]["state"]
+        state = rank["normal"][run]["state"][key]
+        moments = w.ew_moments(ref, key.split("\x1f"), w.DECAY)
+        for k, v in moments.items():
+            torch.testing.assert_close(state[k], v, atol=1e-9, rtol=0, msg=k)
 
 
 def test_block_grad_changes_the_ddp_fit(ranks):
