@@ -206,7 +206,9 @@ class TraceDReG_ELBO(RoutedELBO):
             )
         if not math.isfinite(float(alpha)):
             raise ValueError(f"TraceDReG_ELBO: alpha must be a finite number, got {alpha}")
-        if not (isinstance(num_particles, int) and num_particles >= 1):
+        if isinstance(num_particles, bool) or not (
+            isinstance(num_particles, int) and num_particles >= 1
+        ):
             raise ValueError(
                 f"{type(self).__name__}: num_particles must be an integer >= 1, got {num_particles!r}"
             )

@@ -90,9 +90,10 @@ class TraceSTL_ELBO(Trace_ELBO):
 
     def __init__(self, *args, trace_steps: int = 0, **kwargs):
         super().__init__(*args, **kwargs)
-        if self.num_particles < 1:
+        n = self.num_particles
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(
-                f"{type(self).__name__}: num_particles must be at least 1, got {self.num_particles}"
+                f"{type(self).__name__}: num_particles must be an integer >= 1, got {n!r}"
             )
         self._policy = STLPolicy(type(self).__name__, trace_steps)
 
