@@ -37,7 +37,10 @@ class _Factor:
         d = self.params()
         if self.transform is None:
             return d
-        return dist.TransformedDistribution(d, [self.transform])
+        # a transform of its own per draw: its cache then holds this draw's pre-image only
+        # (a transform shared across calls would hold the previous draw's, a tensor computed
+        # from the parameters, and be read as a parametrized flow)
+        return dist.TransformedDistribution(d, [self.transform.with_cache(0).with_cache(1)])
 
     def quantiles(self, q: torch.Tensor, num_samples: int, seed: int) -> torch.Tensor:
         """Quantiles ``q`` (1-D) of every element: exact (``icdf``) where possible, else Monte Carlo."""

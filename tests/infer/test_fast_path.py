@@ -328,3 +328,64 @@ def test_detached_copy_keeps_a_familys_own_copy_rules():
         assert c.log_prob(z).item() == q.log_prob(z).item()
         (g,) = torch.autograd.grad(c.log_prob(z), loc)
         torch.testing.assert_close(g, -(z - loc).detach())
+
+
+@pytest.mark.parametrize("est", ["TraceSTL_ELBO", "stick_the_landing"])
+@pytest.mark.parametrize("guide_cls", ["AutoNormalMessenger", "AutoMeanField"])
+def test_saturated_sigmoid_gradient_equals_the_same_draw_reference(guide_cls, est):
+    """Deep in the float32 tail (loc 14, scale 2) some draws saturate (sigmoid(u) == 1).
+
+    Reference: Pyro's ``Trace_ELBO`` gradient on the same draw minus the score part at the
+    sampled pre-image ``u`` (read from the transform's cache, not inverted):
+    ``d/dloc log N(u; loc, s) = (u - loc) / s^2`` and ``d/dlog s = (u - loc)^2 / s^2 - 1``.
+    """
+    from pyro.infer.autoguide import AutoNormalMessenger
+
+    from pyro_gradroute._compat import transform_cache
+    from pyro_gradroute.guides import AutoMeanField
+
+    n = 20
+
+    def model():
+        with pyro.plate("n", n):
+            p = pyro.sample("p", dist.Beta(2.0, 2.0))
+            pyro.sample("x", dist.Bernoulli(p), obs=torch.zeros(n))
+
+    pyro.clear_param_store()
+    g = {"AutoNormalMessenger": AutoNormalMessenger, "AutoMeanField": AutoMeanField}[guide_cls](
+        model
+    )
+    PyroTrace_ELBO().loss(model, g)
+    store = pyro.get_param_store()
+    loc_name = next(k for k in store.keys() if "loc" in k)
+    scale_name = next(k for k in store.keys() if "scale" in k)
+    store[loc_name] = torch.full((n,), 14.0)
+    store[scale_name] = torch.full((n,), 2.0)
+    names = (loc_name, scale_name)
+
+    def grads(fn, seed):
+        for p in store.values():
+            p.unconstrained().grad = None
+        pyro.set_rng_seed(seed)
+        loss = fn()
+        return loss, [store[k].unconstrained().grad.clone() for k in names]
+
+    saturated = 0
+    for seed in range(3):
+        pyro.set_rng_seed(seed)
+        t = poutine.trace(g).get_trace().nodes["p"]["fn"].transforms[0]
+        u = transform_cache(t)[0].detach()
+        saturated += int((torch.sigmoid(u) == 1).sum())
+        ref_loss, (gl, gs) = grads(lambda: PyroTrace_ELBO().loss_and_grads(model, g), seed)
+        eps = (u - 14.0) / 2.0
+        ref = (gl - eps / 2.0, gs - (eps.square() - 1))
+        if est == "TraceSTL_ELBO":
+            loss, got = grads(lambda: TraceSTL_ELBO().loss_and_grads(model, g), seed)
+        else:
+            loss, got = grads(
+                lambda: PyroTrace_ELBO().loss_and_grads(model, stick_the_landing(g)), seed
+            )
+        assert loss == pytest.approx(ref_loss, rel=1e-6)
+        for a, b in zip(got, ref):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert saturated > 0  # the case the test is about
