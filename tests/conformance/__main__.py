@@ -35,10 +35,11 @@ def main(argv=None) -> int:
 
     from .cases import CASES
     from .checks import ESTIMATORS, cells, run_cell
+    from .test_structured import STRUCTURED_CASES
 
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
-    cases = [c for c in CASES if args.k in c.name]
+    cases = [c for c in CASES + STRUCTURED_CASES if args.k in c.name]
     results: dict = {}
     failures = []
     t0 = time.perf_counter()

@@ -160,6 +160,94 @@ def test_nested_transformed_equals_flat(case, est):
             torch.testing.assert_close(gn[k], gf[k], rtol=1e-9, atol=1e-10)
 
 
+def _grads_or_none(elbo, model, guide, seed):
+    """``_grads``, with zeros for the parameters no gradient reached (an unused module)."""
+    pyro.set_rng_seed(seed)
+    store = pyro.get_param_store()
+    for p in store.values():
+        p.unconstrained().grad = None
+    loss = elbo.loss_and_grads(model, guide)
+    leaves = {k: v.unconstrained() for k, v in store.items()}
+    return loss, {
+        k: torch.zeros_like(p) if p.grad is None else p.grad.clone() for k, p in leaves.items()
+    }
+
+
+def _flow():
+    torch.manual_seed(0)
+    flow = dist.transforms.planar(2).to(torch.float64)
+    for w in flow.parameters():
+        w.data.normal_(0, 0.5)
+    return flow
+
+
+def _base(loc, s):
+    return dist.Normal(loc, s).to_event(1)
+
+
+# the two that crashed ("not used in the graph"): an inner flow, and a learnable base through
+# an inner cached ExpTransform under a parametrized outer transform
+NESTED_2D = {
+    "planar_in_exp": (
+        lambda loc, s, a, f: dist.TransformedDistribution(
+            dist.TransformedDistribution(_base(loc, s), [f]), [T.ExpTransform(cache_size=1)]
+        ),
+        lambda loc, s, a, f: dist.TransformedDistribution(
+            _base(loc, s), [f, T.ExpTransform(cache_size=1)]
+        ),
+    ),
+    "base_through_cached_exp": (
+        lambda loc, s, a, f: dist.TransformedDistribution(
+            dist.TransformedDistribution(_base(loc, s), [T.ExpTransform(cache_size=1)]),
+            [T.AffineTransform(0.1, a)],
+        ),
+        lambda loc, s, a, f: dist.TransformedDistribution(
+            _base(loc, s), [T.ExpTransform(cache_size=1), T.AffineTransform(0.1, a)]
+        ),
+    ),
+}
+
+
+def _nested_model_2d():
+    w = pyro.sample("w", dist.LogNormal(torch.zeros(2, dtype=torch.float64), 1.0).to_event(1))
+    with pyro.plate("d", len(X)):
+        pyro.sample("x", dist.Normal(w.sum(-1), 1.0), obs=X.abs())
+
+
+def _nested_guide_2d(make, flow):
+    def guide():
+        f64 = torch.float64
+        pyro.module("flow", flow)
+        loc = pyro.param("n2_loc", torch.tensor([0.1, -0.2], dtype=f64))
+        s = pyro.param("n2_s", torch.tensor([0.4, 0.3], dtype=f64), constraint=constraints.positive)
+        a = pyro.param("n2_a", torch.tensor([1.2, 0.8], dtype=f64), constraint=constraints.positive)
+        pyro.sample("w", make(loc, s, a, flow))
+
+    return guide
+
+
+@pytest.mark.parametrize("est", ESTIMATORS)
+@pytest.mark.parametrize("case", sorted(NESTED_2D))
+def test_nested_flow_and_cached_transform_equal_flat(case, est):
+    """Pyro's meaning: the nested distribution is the flat one (the flat one is checked against an
+    explicit Jacobian in tests/distributions/test_nested_transformed.py)."""
+    nested, flat = NESTED_2D[case]
+    pyro.clear_param_store()
+    flow = _flow()
+    _nested_guide_2d(flat, flow)()
+    for seed in range(3):
+        ln, gn = _grads_or_none(_elbo(est), _nested_model_2d, _nested_guide_2d(nested, flow), seed)
+        lf, gf = _grads_or_none(_elbo(est), _nested_model_2d, _nested_guide_2d(flat, flow), seed)
+        assert ln == pytest.approx(lf, rel=1e-10, abs=1e-10)
+        reached = {k for k, g in gf.items() if g.abs().max() > 0}
+        assert {"n2_loc", "n2_s"} <= reached  # the base's parameters get a gradient
+        planar = case == "planar_in_exp"  # its flow's parameters, or the outer affine's
+        assert any(k.startswith("flow") for k in reached) == planar
+        assert ("n2_a" in reached) == (not planar)
+        for k in gf:
+            torch.testing.assert_close(gn[k], gf[k], rtol=1e-9, atol=1e-10)
+
+
 HANDLER_CASES = [c for c in CASES if not c.messenger]
 
 
