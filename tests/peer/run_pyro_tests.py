@@ -36,6 +36,11 @@ Needs a Pyro source checkout matching the installed pyro-ppl (nothing is fetched
 
 (or set ``PYRO_SRC``). Only its ``tests/`` folder is used; the installed ``pyro`` is the
 one under test. This file is not collected by the repository's own ``pytest`` run.
+
+Pyro's structured-guide tests (``AutoStructured``, ``AutoGaussian``: ``--structured``) under
+sticking the landing and DReG::
+
+    python tests/peer/run_pyro_tests.py --pyro-src /path/to/pyro-src --structured --elbo stl,dreg-trace
 """
 
 from __future__ import annotations
@@ -430,6 +435,12 @@ def main(argv=None) -> int:
         nargs="+",
         help="test files, relative to tests/infer (or to the checkout, starting with tests/)",
     )
+    p.add_argument(
+        "--structured",
+        action="store_true",
+        help="only the structured-guide tests (AutoStructured, AutoGaussian): "
+        + ", ".join(STRUCTURED_FILES),
+    )
     p.add_argument("--full", action="store_true", help="add " + ", ".join(FULL_EXTRA))
     p.add_argument("--jobs", "-j", type=int, default=min(2, os.cpu_count() or 1))
     p.add_argument("--timeout", type=float, default=1800, help="seconds per file")
@@ -453,6 +464,10 @@ def main(argv=None) -> int:
     for m in modes:
         if m not in MODES:
             p.error(f"unknown --elbo {m!r}: choose from {', '.join(MODES)}")
+    if args.structured and args.files:
+        p.error("--structured and --files choose the files both: give one")
+    if args.structured:
+        args.files = list(STRUCTURED_FILES)
     base_files = [f.removeprefix("tests/infer/") for f in args.files or DEFAULT_FILES]
     if args.full:
         base_files += [f for f in FULL_EXTRA if f not in base_files]
