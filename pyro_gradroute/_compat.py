@@ -71,25 +71,27 @@ class SameNameContainer(PyroModule):
         super()._pyro_set_supermodule(name.rpartition(".")[0], context)
 
 
-def calling_elbo(depth: int = 40):
+def calling_elbo(depth: int | None = None):
     """The innermost ``pyro.infer.ELBO`` instance whose method is on the call stack, if any.
 
     Python has no public way for a guide's handler to know which estimator runs it; this
-    walks the frames (``sys._getframe``) and reads each one's ``self``.
+    walks the frames (``sys._getframe``) and reads each one's ``self``. ``depth``: at most
+    that many frames (``None``: the whole stack, so that no number of handlers around the
+    guide hides the estimator; the walk stops at the first ELBO found).
     """
     import sys
 
     from pyro.infer.elbo import ELBO
 
     frame = sys._getframe(2)
-    for _ in range(depth):
-        if frame is None:
-            return None
+    n = 0
+    while frame is not None and (depth is None or n < depth):
         if frame.f_code.co_name in _ELBO_METHODS:  # reading f_locals costs: only these frames
             obj = frame.f_locals.get("self")
             if isinstance(obj, ELBO):
                 return obj
         frame = frame.f_back
+        n += 1
     return None
 
 

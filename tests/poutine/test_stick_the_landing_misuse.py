@@ -104,6 +104,17 @@ def test_importance_weighted_elbos_are_refused(Elbo):
         elbo.loss_and_grads(model, stick_the_landing(guide), X)
 
 
+@pytest.mark.parametrize("wrappers", [0, 60])
+def test_refusal_is_not_hidden_by_handlers_around_the_guide(wrappers):
+    """The estimator is found however many handlers wrap the guide (a deep call stack)."""
+    g = stick_the_landing(guide)
+    for _ in range(wrappers):
+        g = pyro.poutine.scale(g, scale=1.0)
+    elbo = TraceTailAdaptive_ELBO(num_particles=2, vectorize_particles=True)
+    with pytest.raises(ValueError, match="cannot be used with TraceTailAdaptive_ELBO"):
+        elbo.loss_and_grads(model, g, X)
+
+
 def test_a_subclass_that_keeps_the_gradient_is_allowed():
     class Named(TraceEnum_ELBO):
         pass
