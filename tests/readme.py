@@ -21,3 +21,9 @@ def run_snippet(code: str, label: str) -> dict:
     namespace: dict = {"__name__": label.replace(" ", "_")}
     exec(compile(code, label, "exec"), namespace)
     return namespace
+
+
+def stated_output(code: str, statement: str) -> str:
+    """What the snippet says its line starting with ``statement`` prints: the ``  # `` comment."""
+    (line,) = [ln for ln in code.splitlines() if ln.startswith(statement)]
+    return line.split("  # ", 1)[1].strip()

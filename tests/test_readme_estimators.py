@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tests.readme import python_snippets, run_snippet
+from tests.readme import python_snippets, run_snippet, stated_output
 
 
 def test_split_snippet():
@@ -30,8 +30,11 @@ def test_dreg_snippet():
     assert 10 < ns["loss"] / 128 < 60
 
 
-def test_stl_with_pyros_elbos_snippet_runs():
+def test_stl_with_pyros_elbos_snippet_runs(capsys):
     (code,) = python_snippets("stl-pyro")
     ns = run_snippet(code, "stl-pyro snippet")
+    # the snippet is seeded: it prints exactly what its comment says
+    printed = capsys.readouterr().out.strip().splitlines()[-1]
+    assert printed == stated_output(code, 'print(pyro.param("m"))')
     m = ns["pyro"].param("m").detach().sort().values
     assert abs(m[0] + 3) < 0.7 and abs(m[1] - 3) < 0.7
