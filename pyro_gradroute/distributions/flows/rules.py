@@ -16,6 +16,7 @@ from pyro.distributions.transforms.householder import ConditionedHouseholder
 from pyro.distributions.transforms.planar import ConditionedPlanar
 from pyro.distributions.transforms.radial import ConditionedRadial
 from pyro.distributions.transforms.spline import ConditionedSpline
+from pyro.nn import ConditionalDenseNN, DenseNN
 from torch.distributions import transforms as TT
 
 from ..._compat import cached_log_scale, conditioned_params, module_attr
@@ -216,18 +217,90 @@ def _sylvester(layer, g):
         return torch.linalg.solve(Mt.mT, r.unsqueeze(-1)).squeeze(-1)
 
 
-@register_flow_rule(PT.AffineCoupling, rule="coupling: closed form + one VJP", cost="one VJP")
+def mlp_vjp(x: torch.Tensor, weights: list, biases: list, f, skip=None):
+    r"""``(out, vjp)`` of the network ``out = W_n f(\dots f(W_1 x + b_1) \dots) + b_n`` (``+ S x``).
+
+    One forward run without autograd keeps the activations' derivatives; ``vjp(s)`` is then
+    :math:`\partial \langle s, \text{out} \rangle / \partial x` as plain matmuls, with no
+    autograd call (the network's parameters are held fixed). ``f`` acts elementwise
+    (ReLU in closed form, any other through one small autograd call).
+
+    Example::
+
+        >>> import torch
+        >>> lin1, lin2 = torch.nn.Linear(3, 5), torch.nn.Linear(5, 2)
+        >>> x, s = torch.randn(4, 3), torch.randn(4, 2)
+        >>> out, vjp = mlp_vjp(x, [lin1.weight, lin2.weight], [lin1.bias, lin2.bias], torch.nn.ReLU())
+        >>> xx = x.clone().requires_grad_()
+        >>> (ref,) = torch.autograd.grad((lin2(torch.relu(lin1(xx))) * s).sum(), xx)
+        >>> torch.allclose(vjp(s), ref)
+        True
+    """
+    relu = isinstance(f, torch.nn.ReLU)
+    with torch.no_grad():
+        h, dacts = x, []
+        for b, w in zip(biases[:-1], weights[:-1]):
+            a = F.linear(h, w, b)
+            if relu:
+                dacts.append((a > 0).to(a.dtype))
+                h = f(a)
+            else:
+                with torch.enable_grad():
+                    aa = a.detach().requires_grad_()
+                    ha = f(aa)
+                    (d,) = torch.autograd.grad(ha, aa, torch.ones_like(ha))
+                dacts.append(d)
+                h = ha.detach()
+        out = F.linear(h, weights[-1], biases[-1])
+        if skip is not None:
+            out = out + F.linear(x, skip)
+
+    def vjp(s: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            v = s @ weights[-1]
+            for w, d in zip(reversed(weights[:-1]), reversed(dacts)):
+                v = (v * d) @ w
+            return v if skip is None else v + s @ skip
+
+    return out, vjp
+
+
+def _dense_net(t, k: int, n: int):
+    """``(weights, biases, f)`` of an ``AffineCoupling``'s Pyro ``DenseNN`` (mean and log-scale
+    from ``x[..., :k]``, ``n`` each), or None for any other conditioner."""
+    net = module_attr(t, "nn")
+    if (
+        not isinstance(net, DenseNN)
+        or type(net).forward is not DenseNN.forward
+        or type(net)._forward is not ConditionalDenseNN._forward
+        or t.dim != -1
+        or list(net.param_dims) != [n, n]
+    ):
+        return None
+    layers = list(module_attr(net, "layers"))
+    weights = [module_attr(lay, "weight") for lay in layers]
+    return weights, [module_attr(lay, "bias") for lay in layers], module_attr(net, "f")
+
+
+@register_flow_rule(
+    PT.AffineCoupling,
+    rule="coupling: closed form + one VJP",
+    cost="one VJP (plain matmuls over Pyro's DenseNN)",
+)
 def _affine_coupling(layer, g):
     # y1 = x1, y2 = exp(s(x1)) x2 + m(x1): g_y2 = g_x2 exp(-s), g_y1 = g_x1 - d/dx1[ladj + <g_y2, y2>]
     t = layer.transform
     d, k = t.dim, t.split_dim
     n = g.size(d) - k
     out = torch.zeros_like(g)
-    torch.mul(
-        g.narrow(d, k, n),
-        torch.exp(-cached_log_scale(layer.evaluated).detach()),
-        out=out.narrow(d, k, n),
-    )
-    v = layer.vjp(out)
-    torch.sub(g.narrow(d, 0, k), v.narrow(d, 0, k), out=out.narrow(d, 0, k))
+    log_scale = cached_log_scale(layer.evaluated).detach()
+    g2 = torch.mul(g.narrow(d, k, n), torch.exp(-log_scale), out=out.narrow(d, k, n))
+    net = _dense_net(t, k, n)
+    if net is None:  # through the graph
+        v = layer.vjp(out).narrow(d, 0, k)
+    else:  # Pyro's DenseNN: plain matmuls (the clamp of the log-scale passes gradients)
+        x = layer.x
+        _, vjp = mlp_vjp(x.narrow(-1, 0, k), *net)
+        v = vjp(torch.cat([g2, 1 + g2 * x.narrow(-1, k, n) * torch.exp(log_scale)], dim=-1))
+    torch.sub(g.narrow(d, 0, k), v, out=out.narrow(d, 0, k))
     return out

@@ -26,7 +26,7 @@ from ..._compat import (
     spline_log_derivative,
 )
 from .path import FlowLayer
-from .rules import register_flow_rule
+from .rules import mlp_vjp, register_flow_rule
 
 
 class FlowSolveError(ValueError):
@@ -226,31 +226,15 @@ def _made_products(layer):
         return None
     if arn.output_multiplier != 2 or not arn.all_ones:
         return None
-    f = module_attr(arn, "f")
-    relu = isinstance(f, torch.nn.ReLU)
     layers = list(module_attr(arn, "layers"))
     x = layer.x
     with torch.no_grad():
         weights = [module_attr(lay, "weight") * module_attr(lay, "mask") for lay in layers]
-        biases = [module_attr(lay, "bias") for lay in layers]
         sk = module_attr(arn, "skip_layer")
         skip = None if sk is None else module_attr(sk, "weight") * module_attr(sk, "mask")
-        h, dacts = x, []
-        for b, w in zip(biases[:-1], weights[:-1]):
-            a = torch.nn.functional.linear(h, w, b)
-            if relu:
-                dacts.append((a > 0).to(a.dtype))
-                h = f(a)
-            else:
-                with torch.enable_grad():
-                    aa = a.detach().requires_grad_()
-                    ha = f(aa)
-                    (d,) = torch.autograd.grad(ha, aa, torch.ones_like(ha))
-                dacts.append(d)
-                h = ha.detach()
-        out = torch.nn.functional.linear(h, weights[-1], biases[-1])
-        if skip is not None:
-            out = out + torch.nn.functional.linear(x, skip)
+    biases = [module_attr(lay, "bias") for lay in layers]
+    out, arn_vjp = mlp_vjp(x, weights, biases, module_attr(arn, "f"), skip)
+    with torch.no_grad():
         mean, raw = out.reshape(out.shape[:-1] + (2, x.size(-1))).unbind(-2)
         if t.stable:
             sig = torch.sigmoid(raw + t.sigmoid_bias)
@@ -261,14 +245,6 @@ def _made_products(layer):
         # seeds of the network's outputs (mean, raw log-scale): g * coef + const
         coef = torch.cat([c_mean, c_lin], dim=-1)
         const = torch.cat([torch.zeros_like(x), c_ladj], dim=-1)
-
-    def arn_vjp(s_out):
-        v = s_out @ weights[-1]
-        for w, d in zip(reversed(weights[:-1]), reversed(dacts)):
-            v = (v * d) @ w
-        if skip is not None:
-            v = v + s_out @ skip
-        return v
 
     def F(gy):
         with torch.no_grad():
