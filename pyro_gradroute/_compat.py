@@ -158,6 +158,11 @@ def transform_cache(t) -> tuple | None:
     return t._cached_x_y
 
 
+def transform_attrs(t) -> dict:
+    """A transform's attributes, less torch's cache of its last call (no parameter of it)."""
+    return {k: v for k, v in vars(t).items() if k != "_cached_x_y"}
+
+
 def set_transform_cache(t, x, y) -> None:
     """Make a cached transform's cache hold ``(x, y)`` (its inverse at ``y`` then returns ``x``)."""
     object.__setattr__(t, "_cached_x_y", (x, y))

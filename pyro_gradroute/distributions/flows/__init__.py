@@ -56,6 +56,7 @@ from .path import evaluate as evaluate
 from .path import forward_path as forward_path
 from .path import holds_params as holds_params
 from .path import normal_base_grad as normal_base_grad
+from .path import pathwise_log_prob as pathwise_log_prob
 from .path import supported as supported
 from .rules import _RULES as _RULES
 from .rules import RULES_TABLE, flow_rule, register_flow_rule

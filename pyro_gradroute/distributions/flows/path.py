@@ -19,7 +19,7 @@ import torch
 from torch.distributions import Independent, Normal, TransformedDistribution
 from torch.distributions import transforms as TT
 
-from ..._compat import set_transform_cache, sum_rightmost, transform_cache
+from ..._compat import set_transform_cache, sum_rightmost, transform_attrs, transform_cache
 from .rules import flow_rule
 
 _EMPTY = torch.Size()
@@ -38,11 +38,12 @@ def _fresh(t):
     return t2
 
 
-def _cache_matches(t, x) -> bool:
+def _cache_matches(t, x, strict: bool = False) -> bool:
+    """Whether ``t``'s cache holds ``x`` (an uncached ``t`` matches, unless ``strict``)."""
     if isinstance(t, TT.IndependentTransform):
-        return _cache_matches(t.base_transform, x)
+        return _cache_matches(t.base_transform, x, strict)
     cache = transform_cache(t)
-    return cache is None or cache[0] is x
+    return (cache is None and not strict) or (cache is not None and cache[0] is x)
 
 
 class FlowLayer:
@@ -57,33 +58,53 @@ class FlowLayer:
     the graph the sample was drawn with; :attr:`evaluated` is a transform whose caches
     (:func:`~pyro_gradroute._compat.cached_log_scale`, ...) belong to ``x``
     (``transform`` itself, or a copy re-evaluated at a detached ``x`` when the graph
-    cannot be used).
+    cannot be used). The re-evaluation runs only when a rule asks for it: a layer whose
+    input was drawn without a graph to it (a base without parameters) and whose rule
+    reads only ``x``, ``y`` and the caches (Planar, Sylvester, an IAF over Pyro's
+    network) costs nothing more.
     """
 
-    def __init__(self, transform, x: torch.Tensor, y: torch.Tensor, _handles=None):
+    def __init__(self, transform, x: torch.Tensor, y: torch.Tensor, _parent=None):
         self.transform = transform
         self.x = x.detach()
         self.y = y.detach()
         self.event_dim = transform.domain.event_dim
-        if _handles is not None:
-            self._t, self._x, self._y = _handles
+        self._parent = _parent
+        self._ladj = None
+        self._x = self._y = None  # the graph's ends, once known
+        if _parent is not None:  # an IndependentTransform's base: the parent's graph
+            self._t = None if _parent._t is None else _parent._t.base_transform
+            self._x, self._y = _parent._x, _parent._y
         elif x.requires_grad and y.requires_grad and _cache_matches(transform, x):
             self._t, self._x, self._y = transform, x, y
-        else:
-            t2 = _fresh(transform)
-            xd = x.detach().requires_grad_()
-            with torch.enable_grad():
-                yd = t2(xd)
-            self._t, self._x, self._y = t2, xd, yd
-        self._ladj = None
+        else:  # the caches still belong to x if the cache holds it; the graph, on demand
+            self._t = transform if _cache_matches(transform, x, strict=True) else None
+
+    def _graph(self) -> None:
+        """Re-evaluate the layer at a detached ``x`` on a fresh copy (a graph to VJP through)."""
+        if self._x is not None:
+            return
+        if self._parent is not None:
+            self._parent._graph()
+            p = self._parent
+            self._t, self._x, self._y = p._t.base_transform, p._x, p._y
+            return
+        t2 = _fresh(self.transform)
+        xd = self.x.detach().requires_grad_()
+        with torch.enable_grad():
+            yd = t2(xd)
+        self._t, self._x, self._y = t2, xd, yd
 
     @property
     def evaluated(self):
         """The transform whose caches hold this layer's ``x``."""
+        if self._t is None:
+            self._graph()
         return self._t
 
     def _ladj_live(self) -> torch.Tensor:
         if self._ladj is None:
+            self._graph()
             with torch.enable_grad():
                 self._ladj = self._t.log_abs_det_jacobian(self._x, self._y)
         return self._ladj
@@ -99,6 +120,7 @@ class FlowLayer:
         With ``g=None`` this is :math:`\nabla_x \log|\det J(x)|`; with ``ladj=False``
         it is :math:`J^T g`.
         """
+        self._graph()
         outs, seeds = [], []
         if ladj:
             la = self._ladj_live()
@@ -115,9 +137,7 @@ class FlowLayer:
 
     def sub(self, transform) -> FlowLayer:
         """The same layer seen as ``transform`` (e.g. an ``IndependentTransform``'s base)."""
-        return FlowLayer(
-            transform, self.x, self.y, _handles=(self._t.base_transform, self._x, self._y)
-        )
+        return FlowLayer(transform, self.x, self.y, _parent=self)
 
 
 def normal_base_grad(base, x: torch.Tensor) -> torch.Tensor | None:
@@ -262,12 +282,12 @@ def _holds_params(obj, seen: set) -> bool:
     elif isinstance(obj, dict):
         parts = obj.values()
     elif isinstance(obj, torch.nn.Module):  # its attributes and sub-modules (no parameters)
-        parts = [
-            v for k, v in vars(obj).items() if k not in ("_parameters", "_buffers", "_modules")
-        ]
+        attrs = transform_attrs(obj) if isinstance(obj, TT.Transform) else vars(obj)
+        skip = ("_parameters", "_buffers", "_modules")
+        parts = [v for k, v in attrs.items() if k not in skip]
         parts += list(obj.children())
-    elif isinstance(obj, TT.Transform):
-        parts = vars(obj).values()
+    elif isinstance(obj, TT.Transform):  # (its cache holds its last call's values: no parameter)
+        parts = transform_attrs(obj).values()
     else:
         return False
     return any(_holds_params(v, seen) for v in parts)
@@ -372,6 +392,15 @@ def flow_grad(fn: TransformedDistribution, x: torch.Tensor) -> tuple[torch.Tenso
     return xs[-1].detach(), path.carry(path.base_grad(), len(path.leaves))
 
 
+def _target_product(path: FlowPath, g: torch.Tensor, lp: torch.Tensor) -> torch.Tensor:
+    """``<g, x_k>`` summed over the target's event dims (shaped like ``lp``)."""
+    s = g * path.target
+    pad = s.dim() - lp.dim()
+    if pad > 0:
+        s = s.reshape(s.shape[: s.dim() - pad] + (-1,)).sum(-1)
+    return s
+
+
 def evaluate(path: FlowPath, grad_mode: bool):
     """``(log_prob, g, score)`` of a path: the value, the forward-carried gradient at the target
     (None without grad mode) and the score part ``log q(stop(y); phi)``."""
@@ -379,10 +408,36 @@ def evaluate(path: FlowPath, grad_mode: bool):
     if not grad_mode:
         return lp, None, lp
     g = path.target_grad()
-    target = path.target
-    pad = target.dim() - lp.dim()
-    s = g * target
-    if pad > 0:
-        s = s.reshape(s.shape[: s.dim() - pad] + (-1,)).sum(-1)
-    score = lp - s + s.detach()
-    return lp, g, score
+    s = _target_product(path, g, lp)
+    return lp, g, lp - s + s.detach()
+
+
+def pathwise_log_prob(path: FlowPath) -> torch.Tensor:
+    r"""The pathwise part :math:`\log q(y; \bot(\phi))` of a flow sample, with no custom node.
+
+    .. math::
+
+        \bot(\log q(y)) + \langle \bot(g), x_k \rangle - \bot(\langle g, x_k \rangle),
+        \qquad g = \nabla_{x_k} \log q(T_{>k}(x_k))\ \text{(forward-carried)}:
+
+    the ordinary value (from the path, as ``fn.log_prob`` computes it with the transforms'
+    caches), and a gradient that reaches the parameters only through the sample, as the
+    product with :math:`g` at the output :math:`x_k` of the last parametrized transform.
+    The log-density's own graph is not built (no part of this gradient).
+
+    Example::
+
+        >>> import torch, pyro.distributions as dist, pyro.distributions.transforms as T
+        >>> t = T.planar(2)
+        >>> q = dist.TransformedDistribution(dist.Normal(torch.zeros(2), 1.0).to_event(1), [t])
+        >>> y = q.rsample([3])
+        >>> lp = pathwise_log_prob(cached_path(q, y))
+        >>> torch.equal(lp, q.log_prob(y))
+        True
+    """
+    with torch.no_grad():
+        lp = path.log_prob()
+    if not (path.target.requires_grad and torch.is_grad_enabled()):
+        return lp
+    s = _target_product(path, path.target_grad(), lp)
+    return lp + (s - s.detach())
