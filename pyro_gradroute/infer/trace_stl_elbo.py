@@ -50,8 +50,8 @@ class TraceSTL_ELBO(Trace_ELBO):
       depends on the parameters directly, take the pathwise part of the joint density
       through the guide's affine map; any other ``log_density`` that depends on
       parameters directly is an error naming the site;
-    * a site whose distribution cannot be split (a flow without an inverse, e.g.
-      Planar) gets the ordinary gradient, with a warning naming it;
+    * a site whose distribution cannot be split (a flow with a transform that has neither
+      a forward rule nor an inverse) gets the ordinary gradient, with a warning naming it;
     * ``infer={"stl": False}`` on a guide site restores the ordinary gradient there;
       ``infer={"stl": True}`` on a site without ``rsample`` is an error.
 
@@ -68,9 +68,11 @@ class TraceSTL_ELBO(Trace_ELBO):
     sample: the step costs what ``Trace_ELBO``'s does. Conditional sites (parameters
     computed from earlier samples, at any depth: chains, dense DAGs) add one custom node
     that sends the partials to the samples they read, in one product that stops the
-    gradient below each sample read while it is taken. Guides with flows, ``Rejector``-like
-    families, straight-through samples or parameter-dependent Deltas take the general
-    split (relays, forward-carried flow rules) on every step.
+    gradient below each sample read while it is taken. A flow site whose parameters read no
+    earlier sample takes its pathwise part from its forward-carried gradient at the
+    sample's cached path, as a plain expression (no custom node). Guides with conditional
+    flows, ``Rejector``-like families, straight-through samples or parameter-dependent
+    Deltas take the general split (relays) on every step.
 
     Example::
 

@@ -15,9 +15,15 @@ dependence on the parameters stopped. The cheapest exact mechanism is chosen per
   are computed from each other (chains :math:`q(z_t \mid z_{t-1})`, dense DAGs) the
   product stops the gradient below each sample while it is taken, as relays would
   (:func:`conditional_pathwise`);
-* anything else (flows, families with their own ``score_parts``, straight-through
-  samples, Delta sites whose density depends on parameters directly): the general
-  split with relays (:class:`~pyro_gradroute.poutine.split_messenger.SplitMessenger`).
+* a flow (a ``TransformedDistribution`` with parametrized transforms, each with a forward
+  rule) whose density and sample read no earlier sample: its gradient
+  :math:`\nabla_{x_k} \log q` carried forward through the path in the transforms'
+  caches, sent to the sample's path as :math:`\langle \bot(g), x_k \rangle` in a plain
+  expression (:func:`flow_pathwise`); no custom node;
+* anything else (conditional flows, flows without a cached path or a rule, families with
+  their own ``score_parts``, straight-through samples, Delta sites whose density depends
+  on parameters directly): the general split with relays
+  (:class:`~pyro_gradroute.poutine.split_messenger.SplitMessenger`).
   :func:`pathwise_score_parts` then answers ``None`` and the caller runs the guide that
   way instead.
 """
@@ -31,10 +37,13 @@ import torch
 from pyro.distributions.score_parts import ScoreParts
 from pyro.poutine.util import site_is_subsample
 
+from ..distributions import flows
 from ..distributions.detached import detached_copy
 from ..distributions.split import (
     SplitNotSupported,
+    _flow_candidate,
     delta_base,
+    flatten_transformed,
     reached_nodes,
     reaches_leaf_directly,
     split_score_parts,
@@ -85,13 +94,21 @@ class Conditional(NamedTuple):
     upstream: tuple[int, ...]  # indices of the earlier samples it reads
 
 
-def site_pathwise(name: str, fn, value: torch.Tensor, earlier: list[torch.Tensor], nodes: dict):
+def site_pathwise(
+    name: str,
+    fn,
+    value: torch.Tensor,
+    earlier: list[torch.Tensor],
+    nodes: dict,
+    check_only: bool = False,
+):
     """The pathwise :class:`~pyro.distributions.score_parts.ScoreParts` of one site (unscaled).
 
     ``None``: the site needs no split (a Delta computed from earlier draws: its ordinary
     parts are all pathwise). A :class:`Conditional`: the site reads earlier samples, and
     :func:`conditional_pathwise` evaluates it. Raises :class:`NeedsGeneralSplit` where the
-    general split is needed.
+    general split is needed. ``check_only``: the classification only (a flow's parts then
+    carry no gradient: its rules are not run, so the sample's graph may have been freed).
     """
     d = delta_base(fn)
     if d is not None:
@@ -104,7 +121,7 @@ def site_pathwise(name: str, fn, value: torch.Tensor, earlier: list[torch.Tensor
     params: list[torch.Tensor] = []
     copy = detached_copy(fn, value, params)  # None where fn is not a plain family
     if copy is None:
-        raise NeedsGeneralSplit(name)
+        return flow_pathwise(name, fn, value, nodes, check_only)
     if params and not value.requires_grad and torch.is_grad_enabled():
         raise ValueError(
             f"guide site '{name}': its value does not depend on its distribution's parameters, "
@@ -127,6 +144,48 @@ def site_pathwise(name: str, fn, value: torch.Tensor, earlier: list[torch.Tensor
             "with stick_the_landing, or pyro_gradroute.infer.TraceSTL_ELBO."
         )
     return Conditional(name, fn, value, tuple(ups))
+
+
+def flow_pathwise(
+    name: str, fn, value: torch.Tensor, nodes: dict, check_only: bool = False
+) -> ScoreParts:
+    r"""The pathwise parts of an unconditional flow site, from its transforms' caches (no custom node).
+
+    ``fn`` is a ``TransformedDistribution`` with parametrized transforms, each up to the
+    last parametrized one with a forward rule (:mod:`~pyro_gradroute.distributions.flows`),
+    and ``value`` its sample with the path in the caches. Its parts are
+    :func:`~pyro_gradroute.distributions.flows.pathwise_log_prob`: the ordinary value,
+    the forward-carried gradient :math:`g = \nabla_{x_k} \log q` sent to the sample's
+    path only. Raises :class:`NeedsGeneralSplit` for any other flow: without a cached
+    path (a value another handler supplied, an uncached transform, a transform called
+    again since), a transform without a rule, one whose density or sample reads an
+    earlier sample (a conditional flow: the general split keeps that path), or under the
+    JIT.
+    """
+    if torch.jit.is_tracing():
+        raise NeedsGeneralSplit(name)
+    flat = flatten_transformed(fn)
+    if not _flow_candidate(flat):
+        raise NeedsGeneralSplit(name)
+    path = flows.cached_path(flat, value)
+    if path is None:
+        raise NeedsGeneralSplit(name)
+    if nodes and torch.is_grad_enabled():  # a conditional flow: what its density reads
+        if value.grad_fn in nodes:  # the site's own sample (the handler lists its run's samples)
+            nodes = {n: i for n, i in nodes.items() if n is not value.grad_fn}
+        if frontier([path.log_prob(), value], nodes):
+            raise NeedsGeneralSplit(name)
+    if check_only:  # (the value only: no rule runs)
+        with torch.no_grad():
+            lp = path.log_prob()
+    else:
+        try:
+            lp = flows.pathwise_log_prob(path)
+        except ValueError as e:  # a triangular solve that did not converge, ...: name the site
+            raise ValueError(f"Error while computing log_prob at site '{name}':\n{e}") from e
+    parts = PathwiseParts(lp, 0, lp)
+    parts.conditional, parts.flow = False, True
+    return parts
 
 
 def conditional_pathwise(items: list[Conditional], earlier: list[torch.Tensor]) -> list[ScoreParts]:
@@ -209,9 +268,11 @@ def pathwise_score_parts(
 
 
 class PathwiseParts(ScoreParts):
-    """The pathwise parts of a site, as ``score_parts`` (``conditional``: the site reads earlier samples)."""
+    """The pathwise parts of a site, as ``score_parts`` (``conditional``: the site reads earlier
+    samples; ``flow``: a flow's, from its forward-carried gradient)."""
 
     conditional: bool = True
+    flow: bool = False
 
 
 def fill_score_parts(guide_trace, parts: dict[str, ScoreParts]) -> None:

@@ -388,6 +388,7 @@ class StickTheLandingMessenger(SplitMessenger):
         self._policy = STLPolicy("sticking the landing", trace_steps)
         super().__init__(self._new_batch())
         self._fast = False  # the first run takes the general split and finds what the guide needs
+        self._flows = False  # whether the default path met a flow site (not under the JIT)
         self._run = _Run()
         self._warned = False
         self._drawn: dict[int, weakref.ref] = {}  # id -> sample this handler drew
@@ -398,6 +399,8 @@ class StickTheLandingMessenger(SplitMessenger):
 
     def __enter__(self):
         check_elbo(calling_elbo())
+        if self._fast and self._flows and torch.jit.is_tracing():
+            self._fast = False  # a flow's forward-carried rules cannot be traced: the general split
         if self._fast:
             self._run = _Run(self, self._policy.active and not self._policy.ordinary)
         else:
@@ -524,7 +527,7 @@ class StickTheLandingMessenger(SplitMessenger):
                 changed = any(
                     r.stl and delta_base(r.fn) is None for r in self.batch.records.values()
                 )
-                self._fast = _fast_enough(self.batch)
+                self._fast, self._flows = _fast_enough(self.batch)
             if not changed and not self._warned:
                 self._warned = True
                 warnings.warn(
@@ -545,21 +548,24 @@ def _not_drawn(name: str) -> ValueError:
     )
 
 
-def _fast_enough(batch: SplitBatch) -> bool:
-    """Whether every STL site of a general run can take the default path next time.
+def _fast_enough(batch: SplitBatch) -> tuple[bool, bool]:
+    """Whether every STL site of a general run can take the default path next time, and
+    whether one of them is a flow (which the default path does not take under the JIT).
 
     The same classification as the default path's (:func:`site_pathwise`), on the samples
     the general run drew through its relays.
     """
     outputs = batch.group.outputs
     nodes = {r.grad_fn: i for i, r in enumerate(outputs)}
+    flow = False
     try:
         for rec in batch.records.values():
             if rec.stl:
-                site_pathwise(rec.name, rec.fn, rec.raw, outputs, nodes)
+                parts = site_pathwise(rec.name, rec.fn, rec.raw, outputs, nodes, check_only=True)
+                flow = flow or getattr(parts, "flow", False)
     except (NeedsGeneralSplit, ValueError, NotImplementedError):
-        return False
-    return True
+        return False, flow
+    return True, flow
 
 
 def stick_the_landing(
