@@ -217,13 +217,14 @@ def _sylvester(layer, g):
         return torch.linalg.solve(Mt.mT, r.unsqueeze(-1)).squeeze(-1)
 
 
-def mlp_vjp(x: torch.Tensor, weights: list, biases: list, f, skip=None):
+def mlp_vjp(x: torch.Tensor, weights: list, biases: list, f, skip=None, out: bool = True):
     r"""``(out, vjp)`` of the network ``out = W_n f(\dots f(W_1 x + b_1) \dots) + b_n`` (``+ S x``).
 
     One forward run without autograd keeps the activations' derivatives; ``vjp(s)`` is then
     :math:`\partial \langle s, \text{out} \rangle / \partial x` as plain matmuls, with no
     autograd call (the network's parameters are held fixed). ``f`` acts elementwise
-    (ReLU in closed form, any other through one small autograd call).
+    (ReLU in closed form, any other through one small autograd call). ``out=False``: the
+    last layer is not run (``out`` is None).
 
     Example::
 
@@ -237,13 +238,15 @@ def mlp_vjp(x: torch.Tensor, weights: list, biases: list, f, skip=None):
         True
     """
     relu = isinstance(f, torch.nn.ReLU)
+    last = len(weights) - 1
     with torch.no_grad():
         h, dacts = x, []
-        for b, w in zip(biases[:-1], weights[:-1]):
+        for i, (b, w) in enumerate(zip(biases[:-1], weights[:-1])):
             a = F.linear(h, w, b)
             if relu:
                 dacts.append((a > 0).to(a.dtype))
-                h = f(a)
+                if out or i + 1 < last:
+                    h = torch.relu(a)
             else:
                 with torch.enable_grad():
                     aa = a.detach().requires_grad_()
@@ -251,9 +254,10 @@ def mlp_vjp(x: torch.Tensor, weights: list, biases: list, f, skip=None):
                     (d,) = torch.autograd.grad(ha, aa, torch.ones_like(ha))
                 dacts.append(d)
                 h = ha.detach()
-        out = F.linear(h, weights[-1], biases[-1])
-        if skip is not None:
-            out = out + F.linear(x, skip)
+        if out:
+            out = F.linear(h, weights[-1], biases[-1])
+            if skip is not None:
+                out = out + F.linear(x, skip)
 
     def vjp(s: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
@@ -262,7 +266,7 @@ def mlp_vjp(x: torch.Tensor, weights: list, biases: list, f, skip=None):
                 v = (v * d) @ w
             return v if skip is None else v + s @ skip
 
-    return out, vjp
+    return (out if out is not False else None), vjp
 
 
 def _dense_net(t, k: int, n: int):
@@ -292,15 +296,14 @@ def _affine_coupling(layer, g):
     t = layer.transform
     d, k = t.dim, t.split_dim
     n = g.size(d) - k
-    out = torch.zeros_like(g)
     log_scale = cached_log_scale(layer.evaluated).detach()
-    g2 = torch.mul(g.narrow(d, k, n), torch.exp(-log_scale), out=out.narrow(d, k, n))
+    g2 = g.narrow(d, k, n) / torch.exp(log_scale)
     net = _dense_net(t, k, n)
     if net is None:  # through the graph
-        v = layer.vjp(out).narrow(d, 0, k)
+        v = layer.vjp(torch.cat([torch.zeros_like(g.narrow(d, 0, k)), g2], dim=d)).narrow(d, 0, k)
     else:  # Pyro's DenseNN: plain matmuls (the clamp of the log-scale passes gradients)
         x = layer.x
-        _, vjp = mlp_vjp(x.narrow(-1, 0, k), *net)
-        v = vjp(torch.cat([g2, 1 + g2 * x.narrow(-1, k, n) * torch.exp(log_scale)], dim=-1))
-    torch.sub(g.narrow(d, 0, k), v, out=out.narrow(d, 0, k))
-    return out
+        _, vjp = mlp_vjp(x.narrow(-1, 0, k), *net, out=False)
+        # seeds of (mean, log-scale): g_y2, and 1 + g_y2 exp(s) x2 = 1 + g_x2 x2
+        v = vjp(torch.cat([g2, (g.narrow(d, k, n) * x.narrow(-1, k, n)).add_(1)], dim=-1))
+    return torch.cat([g.narrow(d, 0, k) - v, g2], dim=d)
