@@ -989,6 +989,20 @@ class TraceAdaptiveSTL_ELBO(_AdaptiveMixin, TraceSTL_ELBO):
     _scores = True  # False during a direct step: no score parts are formed
 
     def _particle_terms(self, model_trace, guide_trace, blocks=None) -> tuple[float, Terms]:
+        for name, site in model_trace.nodes.items():
+            if (
+                site["type"] == "sample"
+                and site["infer"].get("enumerate")
+                and not site["is_observed"]
+                and name not in guide_trace.nodes
+            ):
+                raise ValueError(
+                    f"model site {name!r} is marked for enumeration, which "
+                    f"{type(self).__name__} does not do (it would be sampled from its prior, "
+                    "a different objective): use pyro.infer.TraceEnum_ELBO with the guide under "
+                    "pyro_gradroute.poutine.stick_the_landing (trace_steps=N to start at "
+                    "Trace_ELBO), or remove the enumeration mark"
+                )
         elbo, terms = super()._particle_terms(model_trace, guide_trace, blocks)
         if self._scores and torch.is_grad_enabled():
             scores = []

@@ -713,3 +713,23 @@ def test_direct_steps_equal_pyro_trace_elbo_and_the_others_measure():
             for k in trace:
                 torch.testing.assert_close(ours[k], stl[k] + 0.7 * (trace[k] - stl[k]))
     assert measured == _MEASURED_STEPS and st["n"] == n0 + 3
+
+
+def test_enumerated_model_site_is_a_clear_error():
+    """A model site marked for enumeration would be sampled from its prior: refused, naming it."""
+    from pyro.infer import config_enumerate
+
+    @config_enumerate
+    def model(data):
+        w = pyro.sample("w", dist.Dirichlet(torch.ones(2)))
+        locs = torch.tensor([-2.0, 2.0])
+        with pyro.plate("data", len(data)):
+            k = pyro.sample("k", dist.Categorical(w))
+            pyro.sample("x", dist.Normal(locs[k], 1.0), obs=data)
+
+    def guide(data):
+        c = pyro.param("c", torch.ones(2), constraint=constraints.positive)
+        pyro.sample("w", dist.Dirichlet(c))
+
+    with pytest.raises(ValueError, match=r"'k' is marked for enumeration.*TraceEnum_ELBO"):
+        TraceAdaptiveSTL_ELBO(max_plate_nesting=1).loss_and_grads(model, guide, torch.randn(5))
