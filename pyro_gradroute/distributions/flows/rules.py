@@ -211,10 +211,13 @@ def _sylvester(layer, g):
         rs = rd * sd
         # g - grad log|det J| = g + B (2 th dact rs / (1 + dact rs + 1e-8))
         r = g + (2 * th * dact * rs / (1 + dact * rs + 1e-8)) @ B.mT
-        # M^T = I + A^T diag(tanh') B^T, so that M = Mt.mT is laid out as LAPACK takes it
-        Mt = (A.mT * dact.unsqueeze(-2)) @ B.mT
-        Mt.diagonal(dim1=-2, dim2=-1).add_(1)
-        return torch.linalg.solve(Mt.mT, r.unsqueeze(-1)).squeeze(-1)
+        # M g_y = r, M = I + B diag(tanh') A: g_y = r - B u with (I + diag(tanh') A B) u =
+        # diag(tanh') A r; A B once per layer, then O(D^2) per sample to form the system.
+        # Kt = (I + diag(tanh') A B)^T, so that Kt.mT is laid out as LAPACK takes it
+        Kt = (A @ B).mT.contiguous() * dact.unsqueeze(-2)
+        Kt.diagonal(dim1=-2, dim2=-1).add_(1)
+        u = torch.linalg.solve(Kt.mT, (dact * (r @ A.mT)).unsqueeze(-1)).squeeze(-1)
+        return r - u @ B.mT
 
 
 def mlp_vjp(x: torch.Tensor, weights: list, biases: list, f, skip=None, out: bool = True):
