@@ -264,7 +264,7 @@ class FlowPath:
         return g
 
 
-def _holds_params(obj, seen: set) -> bool:
+def _holds_params(obj, seen: set, cache: bool) -> bool:
     """Whether ``obj`` holds, or computes from, a tensor that requires grad."""
     if id(obj) in seen:
         return False
@@ -282,20 +282,24 @@ def _holds_params(obj, seen: set) -> bool:
     elif isinstance(obj, dict):
         parts = obj.values()
     elif isinstance(obj, torch.nn.Module):  # its attributes and sub-modules (no parameters)
-        attrs = transform_attrs(obj) if isinstance(obj, TT.Transform) else vars(obj)
+        attrs = vars(obj) if cache or not isinstance(obj, TT.Transform) else transform_attrs(obj)
         skip = ("_parameters", "_buffers", "_modules")
         parts = [v for k, v in attrs.items() if k not in skip]
         parts += list(obj.children())
-    elif isinstance(obj, TT.Transform):  # (its cache holds its last call's values: no parameter)
-        parts = transform_attrs(obj).values()
+    elif isinstance(obj, TT.Transform):
+        parts = (vars(obj) if cache else transform_attrs(obj)).values()
     else:
         return False
-    return any(_holds_params(v, seen) for v in parts)
+    return any(_holds_params(v, seen, cache) for v in parts)
 
 
-def holds_params(t) -> bool:
-    """Whether a transform holds parameters, or tensors computed from them (conditioned flows)."""
-    return _holds_params(t, set())
+def holds_params(t, cache: bool = True) -> bool:
+    """Whether a transform holds parameters, or tensors computed from them (conditioned flows).
+
+    ``cache=False``: not counting torch's cache of its last call (a parameter-free transform
+    whose cache holds a draw computed from parameters then holds none).
+    """
+    return _holds_params(t, set(), cache)
 
 
 def _split_index(leaves) -> int:
