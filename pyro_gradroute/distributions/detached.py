@@ -45,7 +45,9 @@ from pyro.distributions.torch_distribution import (
     TorchDistributionMixin,
 )
 from torch.distributions import Distribution, Independent, TransformedDistribution
+from torch.distributions.transforms import ComposeTransform, IndependentTransform
 
+from .._compat import set_transform_cache, transform_cache
 from . import flows
 
 __all__ = ["detached_copy", "param_tensors"]
@@ -178,10 +180,34 @@ def detached_copy(
     verdict = _VERIFIED.get(sig)
     if verdict is None and value is not None and torch.is_grad_enabled():
         v = value.detach()
+        caches = _transform_caches(fn)  # evaluating at v replaces them: the sample's are kept
         try:
             has_params = fn.log_prob(v).requires_grad
             if has_params:  # does the copy hold them all?
                 verdict = _VERIFIED[sig] = not new.log_prob(v).requires_grad
         except Exception:  # cannot be checked at a detached value: the general split decides
             return None
+        finally:
+            for t, cache in caches:
+                set_transform_cache(t, *cache)
     return None if verdict is False else new
+
+
+def _transform_caches(fn: Distribution) -> list:
+    """``(transform, (x, y))`` of every cached transform along ``fn`` (the parts of composed ones too)."""
+    todo: list = []
+    while isinstance(fn, Distribution):
+        if isinstance(fn, TransformedDistribution):
+            todo.extend(fn.transforms)
+        fn = getattr(fn, "base_dist", None)
+    out = []
+    while todo:
+        t = todo.pop()
+        cache = transform_cache(t)
+        if cache is not None:
+            out.append((t, cache))
+        if isinstance(t, ComposeTransform):
+            todo.extend(t.parts)
+        elif isinstance(t, IndependentTransform):
+            todo.append(t.base_transform)
+    return out
