@@ -89,7 +89,7 @@ def _plain_signature(fn: Distribution) -> tuple | None:
         if k & _OWN_PARTS:
             return None
         if k & _TRANSFORMED and not k & _WRAP:
-            if any(flows.holds_params(t) for t in fn.transforms):
+            if any(flows.holds_params(t, cache=False) for t in fn.transforms):
                 return None
             sig.extend(type(t) for t in fn.transforms)
         elif not k & _WRAP:

@@ -396,7 +396,7 @@ def _param_free(t) -> bool:
     Conditioned transforms (``ConditionalAffineAutoregressive.condition(z)``, ...) hold
     their context inside a ``functools.partial`` and count as parametrized.
     """
-    return not flows.holds_params(t)
+    return not flows.holds_params(t, cache=False)
 
 
 def _default_score_parts(fn) -> bool:
