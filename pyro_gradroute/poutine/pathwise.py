@@ -168,8 +168,7 @@ def flow_pathwise(
     if not _flow_candidate(flat):
         raise NeedsGeneralSplit(name)
     path = flows.cached_path(flat, value)
-    if path is None or not any(flows.holds_params(t, cache=False) for t in path.leaves[: path.k]):
-        # (parameter-free transforms whose caches hold a draw computed from parameters: no flow)
+    if path is None:
         raise NeedsGeneralSplit(name)
     if nodes and torch.is_grad_enabled():  # a conditional flow: what its density reads
         if value.grad_fn in nodes:  # the site's own sample (the handler lists its run's samples)

@@ -446,7 +446,7 @@ def _custom_nodes(t) -> set:
 
 def test_a_transform_cache_is_no_parameter_of_a_flow():
     """A parameter-free transform whose cache holds a draw computed from parameters holds no
-    parameter of its own (``cache=False``); such a site is no flow for the default path."""
+    parameter of its own; such a site is no flow (the detached copy takes it)."""
     from pyro_gradroute.distributions import flows
     from pyro_gradroute.poutine.pathwise import NeedsGeneralSplit, flow_pathwise
 
@@ -454,8 +454,8 @@ def test_a_transform_cache_is_no_parameter_of_a_flow():
     t = SigmoidTransform(cache_size=1)
     y = t(loc + 1.0)
     assert transform_cache(t)[1] is y and "_cached_x_y" not in transform_attrs(t)
-    assert flows.holds_params(t) and not flows.holds_params(t, cache=False)
-    assert flows.holds_params(AffineTransform(loc, 1.0), cache=False)
+    assert flows.holds_params(t, cache=True) and not flows.holds_params(t)
+    assert flows.holds_params(AffineTransform(loc, 1.0))
     q = dist.TransformedDistribution(dist.Normal(loc, 1.0).to_event(1), [t])
     z = q.rsample()
     with pytest.raises(NeedsGeneralSplit):

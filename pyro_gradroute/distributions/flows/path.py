@@ -293,11 +293,11 @@ def _holds_params(obj, seen: set, cache: bool) -> bool:
     return any(_holds_params(v, seen, cache) for v in parts)
 
 
-def holds_params(t, cache: bool = True) -> bool:
+def holds_params(t, cache: bool = False) -> bool:
     """Whether a transform holds parameters, or tensors computed from them (conditioned flows).
 
-    ``cache=False``: not counting torch's cache of its last call (a parameter-free transform
-    whose cache holds a draw computed from parameters then holds none).
+    Torch's cache of its last call is no parameter (a parameter-free transform whose cache
+    holds a draw computed from parameters holds none); ``cache=True`` counts it.
     """
     return _holds_params(t, set(), cache)
 
