@@ -132,11 +132,12 @@ class _ControlVariate:
             "se": se,
             "endpoint": end,
             "n_eff": n_eff,
-            "direct": self._direct(st, b) if self.center else None,
+            **(self._direct(st, b) if self.center else {"direct": None, "ratio": None}),
         }
 
-    def _direct(self, st: dict, b: torch.Tensor) -> float | None:
-        r"""The whole estimator (0: STL, 1: ``Trace_ELBO``) a direct step takes, or ``None``.
+    def _direct(self, st: dict, b: torch.Tensor) -> dict:
+        r"""``{"direct": e, "ratio": r}``: the whole estimator (0: STL, 1: ``Trace_ELBO``) a
+        direct step takes (or ``None``), and :math:`r = S(e) / S(b)` of the better endpoint.
 
         From the moments, the gradient's total second moment
         :math:`S(b) = \lVert \bar g \rVert^2 + \sum_e \operatorname{Var}(p_e)
@@ -148,7 +149,7 @@ class _ControlVariate:
         dominates and the variance the mix removes buys little, near it the variance does.
         """
         if self.mix_gain is None:
-            return None
+            return {"direct": None, "ratio": None}
         w1 = st["w1"]
         mp, mc = st["sp"] / w1, st["sc"] / w1
         var_p = (st["spp"] / w1 - mp.square()).clamp_min(0)
@@ -159,7 +160,8 @@ class _ControlVariate:
         s0 = mean2 + float(var_p.sum())
         s1 = mean2 + float((var_p + 2 * cov + var_c).sum())
         best, s_end = (0.0, s0) if s0 <= s1 else (1.0, s1)
-        return best if s_end <= self.mix_gain * s_mix else None
+        ratio = s_end / s_mix if s_mix > 0 else 1.0
+        return {"direct": best if s_end <= self.mix_gain * s_mix else None, "ratio": ratio}
 
     def _ready(self, st: dict | None) -> bool:
         return st is not None and st["n"] > self.warmup and st["qw"] > 0
@@ -236,6 +238,18 @@ class _ControlVariate:
             if bool((b == v).all()):
                 return v
         return self._cached_fit(st, st["scc"]).get("direct")
+
+    def ratio(self, key: str) -> float:
+        """The better endpoint's predicted second moment over the fitted mix's (1: the mix gains
+        nothing; an exact endpoint, or no fit, is 1)."""
+        st = self.state.get(key)
+        fit = None if st is None else st.get("fit")
+        if fit is None or fit.get("ratio") is None:
+            return 1.0
+        b = self.weight(key, st["scc"])
+        if any(bool((b == v).all()) for v in (0.0, 1.0)):
+            return 1.0  # the weights are the endpoint: the mix is that estimator
+        return fit["ratio"]
 
     # -- all of a step's parameters as one vector: one fit and one update per step ------
     _SEP = "\x1f"
@@ -868,7 +882,9 @@ class TraceAdaptiveSTL_ELBO(_AdaptiveMixin, TraceSTL_ELBO):
     ``differentiable_loss`` and distributed runs measure every step) takes STL's or
     ``Trace_ELBO``'s gradient directly (one backward, no moments; about 1.0 ``Trace_ELBO``
     step) on all steps but one in 4, then one in 8, then one in 16 while the policy keeps
-    the same choice (back to one in 4 when it changes; the measured step forms both parts)
+    the same choice and predicts that the mix would gain little (the better endpoint's
+    :math:`S(e)` within 5% of :math:`S(b)`; otherwise one in 4, and back to one in 4 when
+    the choice changes; the measured step forms both parts)
     when the
     per-element mix would not pay for that cost: while every weight is exactly 0 or exactly
     1, or while the better endpoint's predicted total second moment
@@ -964,6 +980,9 @@ class TraceAdaptiveSTL_ELBO(_AdaptiveMixin, TraceSTL_ELBO):
     #: in ``_MEASURE_EVERY``, then in twice as many after each measurement that confirms the
     #: choice, up to one in ``_MEASURE_MAX``
     _MEASURE_EVERY, _MEASURE_MAX = 4, 16
+    #: the waits grow only while the better endpoint's predicted second moment is within this
+    #: factor of the mix's (the mix would gain little); closer to ``mix_gain``, one in 4
+    _CALM = 1.05
 
     def loss_and_grads(self, model, guide, *args, **kwargs) -> float:
         """As :meth:`_AdaptiveMixin.loss_and_grads`; while the policy says a whole estimator
@@ -982,8 +1001,10 @@ class TraceAdaptiveSTL_ELBO(_AdaptiveMixin, TraceSTL_ELBO):
                     return RoutedELBO.loss_and_grads(self, model, guide, *args, **kwargs)
                 finally:
                     self._policy.ordinary, self._scores = False, True
-            self._unmeasured = 0  # this step measures; the next wait is longer
-            self._interval = min(2 * self._interval, self._MEASURE_MAX)
+            # this step measures; while the mix would gain little the next wait is longer
+            self._unmeasured = 0
+            calm = self._cv.ratio(self._key) <= self._CALM
+            self._interval = min(2 * self._interval, self._MEASURE_MAX) if calm else 4
         return super().loss_and_grads(model, guide, *args, **kwargs)
 
     _scores = True  # False during a direct step: no score parts are formed

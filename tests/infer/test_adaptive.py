@@ -696,6 +696,7 @@ def test_direct_steps_equal_pyro_trace_elbo_and_the_others_measure():
     fit = dict(elbo._cv._cached_fit(st, st["scc"]))
     fit["b"] = torch.full_like(fit["b"], 0.7)  # mixed weights ...
     fit["direct"] = 1.0  # ... whose better endpoint is within mix_gain: Trace_ELBO directly
+    fit["ratio"] = 1.01  # ... and the mix would gain little: the waits grow
     fit.pop("views", None)
     st["fit"], st["age"] = fit, -100  # kept for the whole test
     n0, measured = st["n"], []
@@ -733,3 +734,25 @@ def test_enumerated_model_site_is_a_clear_error():
 
     with pytest.raises(ValueError, match=r"'k' is marked for enumeration.*TraceEnum_ELBO"):
         TraceAdaptiveSTL_ELBO(max_plate_nesting=1).loss_and_grads(model, guide, torch.randn(5))
+
+
+def test_waits_stay_short_while_the_mix_would_gain():
+    """Direct steps whose endpoint is only just within mix_gain (ratio above _CALM): a measured
+    step every 4 steps, the waits do not grow."""
+    gm, guide = _settling_problem()
+    elbo = TraceAdaptiveSTL_ELBO()
+    gradient_draws(elbo, gm.model, guide, 40)
+    (key,) = elbo._cv.state
+    st = elbo._cv.state[key]
+    fit = dict(elbo._cv._cached_fit(st, st["scc"]))
+    fit.update(b=torch.full_like(fit["b"], 0.7), direct=1.0, ratio=1.2)
+    fit.pop("views", None)
+    st["fit"], st["age"] = fit, -100
+    elbo._last_end = None
+    measured = []
+    for seed in range(16):
+        before = st["n"]
+        grads_on_seed(elbo, gm.model, guide, seed)
+        if st["n"] != before:
+            measured.append(seed)
+    assert measured == [3, 7, 11, 15]
