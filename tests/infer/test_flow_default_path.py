@@ -35,6 +35,7 @@ from torch.distributions.transforms import AffineTransform, ComposeTransform, Si
 from pyro_gradroute._compat import transform_attrs, transform_cache
 from pyro_gradroute.infer import TraceAdaptiveSTL_ELBO, TraceDReG_ELBO, TraceSTL_ELBO
 from pyro_gradroute.poutine import stick_the_landing
+from tests.distributions.test_flow_pathwise import _Cube  # a transform with no rule and no inverse
 
 D, N_OBS, K, B = 4, 3, 3, 0.3  # latent dim, observations, particles, the adaptive weight
 X = torch.linspace(-1.0, 1.5, N_OBS * D, dtype=torch.float64).reshape(N_OBS, D)
@@ -341,23 +342,6 @@ def test_dreg_equals_explicit_jacobian_surrogate(name):
 
 
 # ----------------------------------------------------------------------------- which path
-class _Cube(torch.distributions.transforms.Transform):
-    """``y = s (x + x^3)``: no forward rule (and no inverse)."""
-
-    domain = codomain = constraints.real_vector
-    bijective = True
-
-    def __init__(self, scale):
-        super().__init__(cache_size=1)
-        self.scale = scale
-
-    def _call(self, x):
-        return self.scale * (x + x**3)
-
-    def log_abs_det_jacobian(self, x, y):
-        return (self.scale.log() + torch.log1p(3 * x**2)).sum(-1)
-
-
 def _path_guide(kind):
     planar = T.planar(D)
 
