@@ -170,6 +170,13 @@ KNOWN = [
         "documented limitation: DReG needs a pathwise derivative (non-reparameterized guide)",
     ),
     (
+        {"dreg", "dreg-trace"},
+        "*",
+        r"ValueError: Guide site .* has its own score-function term",
+        "documented limitation: DReG refuses a family with its own score-function term (a"
+        " rejection sampler: Rejector, RSVI's ShapeAugmentedGamma), naming the site",
+    ),
+    (
         {"stl", "adaptive", "handler", "dreg-trace", "dreg"},
         "*",
         r"(?s)ValueError: .*AutoStructured's conditional .* is not 'delta', 'normal' or 'mvn'",
