@@ -854,10 +854,10 @@ class TraceAdaptiveSTL_ELBO(_AdaptiveMixin, TraceSTL_ELBO):
       that is measured. ``python benchmarks/bench_adaptive.py --training`` (Pyro's
       settings and initialisations, 1000 steps, 5 paired seeds, final ELBO from 2000
       draws), paired difference to Pyro's ``Trace_ELBO`` / to STL: eight schools
-      (Pyro's ``svi.py``, ``0.1 * rand`` scales) +0.02 +/- 0.03 / +3.22 +/- 0.30; the
-      Bayesian-regression tutorial (``AutoDiagonalNormal``, diabetes) +1.32 +/- 0.42 /
-      +0.13 +/- 0.21; a hierarchical model with ``AutoNormal`` (J=50) +6.65 +/- 0.24 /
-      +15.44 +/- 0.28.
+      (Pyro's ``svi.py``, ``0.1 * rand`` scales) +0.05 +/- 0.02 / +3.26 +/- 0.30; the
+      Bayesian-regression tutorial (``AutoDiagonalNormal``, diabetes) +1.11 +/- 0.62 /
+      -0.08 +/- 0.14; a hierarchical model with ``AutoNormal`` (J=50) +6.70 +/- 0.21 /
+      +15.49 +/- 0.23. At equal CPU time on real models: ``benchmarks/bench_convergence.py``.
 
     **Unbiasedness condition.** Step :math:`t` applies :math:`b_t` computed from steps
     :math:`< t` only (the moments are updated *after* the step's gradient is formed).
