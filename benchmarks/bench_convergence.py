@@ -67,6 +67,7 @@ five untimed steps of each estimator (the process's first-call costs).
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import math
 import statistics
@@ -398,15 +399,8 @@ class _Run:
         """
         live = dict(pyro.get_param_store().named_parameters())  # unconstrained leaves
         final = {k: v.detach().clone() for k, v in live.items()}
-        points = []
-        prev = None
-        for c, values in self.snapshots:
-            if c >= cpu:
-                points = [prev, (c, values)] if prev is not None else [(c, values)]
-                break
-            prev = (c, values)
-        else:
-            points = [prev]
+        i = bisect.bisect_left([c for c, _ in self.snapshots], cpu)
+        points = self.snapshots[max(i - 1, 0) : i + 1] or self.snapshots[-1:]
         out = []
         try:
             for c, values in points:
@@ -426,15 +420,11 @@ def run_seed(model: str, ests: list[str], seed: int, cfg: dict) -> dict:
 
     Returns ``{estimator: result}`` for the estimators that apply to the model.
     """
-    runs = {}
-    for est in ests:
-        r = _Run(model, est, seed)
-        steps = cfg["steps"](model, r.p.steps)
-        if r.schedule(0, steps) is not None:
-            runs[est] = r
+    runs = {est: _Run(model, est, seed) for est in ests}
+    steps = cfg["steps"](model, next(iter(runs.values())).p.steps)
+    runs = {est: r for est, r in runs.items() if r.schedule(0, steps) is not None}
     if not runs:
         return {}
-    steps = cfg["steps"](model, next(iter(runs.values())).p.steps)
     every = max(1, steps // cfg["evals"])
     snap_every = max(1, steps // 50)
     for step in range(steps):

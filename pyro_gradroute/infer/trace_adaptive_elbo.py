@@ -230,26 +230,22 @@ class _ControlVariate:
         predicted second moment is within ``mix_gain`` of the fitted weights' (``center``
         only); ``None`` while not settled or when the mix pays for its cost.
         """
+        return self.settled(key)[0]
+
+    def settled(self, key: str) -> tuple[float | None, float]:
+        """``(uniform(key), r)``: with ``r`` the better endpoint's predicted second moment over
+        the fitted mix's (1 where the weights are that endpoint, or without a fit: the mix
+        gains nothing)."""
         st = self.state.get(key)
         if st is None or self.fixed_weight is not None or st["n"] <= self.warmup + self._FRESH:
-            return None  # not yet settled: every step measures
+            return None, 1.0  # not yet settled: every step measures
         b = self.weight(key, st["scc"])
         for v in (0.0, 1.0):
             if bool((b == v).all()):
-                return v
-        return self._cached_fit(st, st["scc"]).get("direct")
-
-    def ratio(self, key: str) -> float:
-        """The better endpoint's predicted second moment over the fitted mix's (1: the mix gains
-        nothing; an exact endpoint, or no fit, is 1)."""
-        st = self.state.get(key)
-        fit = None if st is None else st.get("fit")
-        if fit is None or fit.get("ratio") is None:
-            return 1.0
-        b = self.weight(key, st["scc"])
-        if any(bool((b == v).all()) for v in (0.0, 1.0)):
-            return 1.0  # the weights are the endpoint: the mix is that estimator
-        return fit["ratio"]
+                return v, 1.0  # the weights are the endpoint: the mix is that estimator
+        fit = self._cached_fit(st, st["scc"])
+        ratio = fit.get("ratio")
+        return fit.get("direct"), 1.0 if ratio is None else ratio
 
     # -- all of a step's parameters as one vector: one fit and one update per step ------
     _SEP = "\x1f"
@@ -368,7 +364,7 @@ class _ControlVariate:
                     kk: (v.clone() if torch.is_tensor(v) else v)
                     for kk, v in st["fit"].items()
                     if kk != "views"
-                }  # fmt: skip
+                }
                 for k, st in self.state.items()
                 if st.get("fit") is not None
             },
@@ -989,7 +985,7 @@ class TraceAdaptiveSTL_ELBO(_AdaptiveMixin, TraceSTL_ELBO):
         would do (``mix_gain``), most steps take STL's or ``Trace_ELBO``'s gradient directly
         (one backward, no moments; a measured step every 4, then 8, then 16 steps while the
         choice holds), chosen from earlier steps only, so every step stays unbiased."""
-        end = self._cv.uniform(self._key) if self._key is not None else None
+        end, ratio = self._cv.settled(self._key) if self._key is not None else (None, 1.0)
         if end is None or end != self._last_end:
             self._unmeasured, self._interval = 0, self._MEASURE_EVERY
         self._last_end = end
@@ -1003,8 +999,10 @@ class TraceAdaptiveSTL_ELBO(_AdaptiveMixin, TraceSTL_ELBO):
                     self._policy.ordinary, self._scores = False, True
             # this step measures; while the mix would gain little the next wait is longer
             self._unmeasured = 0
-            calm = self._cv.ratio(self._key) <= self._CALM
-            self._interval = min(2 * self._interval, self._MEASURE_MAX) if calm else 4
+            calm = ratio <= self._CALM
+            self._interval = (
+                min(2 * self._interval, self._MEASURE_MAX) if calm else self._MEASURE_EVERY
+            )
         return super().loss_and_grads(model, guide, *args, **kwargs)
 
     _scores = True  # False during a direct step: no score parts are formed

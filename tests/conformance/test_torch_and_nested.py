@@ -79,13 +79,19 @@ def test_split_log_prob_of_a_torch_distribution_equals_the_naive_two_pass(family
                 torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
-def _grads(elbo, model, guide, seed):
+def _grads(elbo, model, guide, seed, unused_as_zeros=False):
+    """Loss and parameter gradients on one seed (``unused_as_zeros``: zeros for the parameters
+    no gradient reached, such as an unused module)."""
     pyro.set_rng_seed(seed)
     store = pyro.get_param_store()
     for p in store.values():
         p.unconstrained().grad = None
     loss = elbo.loss_and_grads(model, guide)
-    return loss, {k: v.unconstrained().grad.clone() for k, v in store.items()}
+    leaves = {k: v.unconstrained() for k, v in store.items()}
+    return loss, {
+        k: torch.zeros_like(p) if p.grad is None and unused_as_zeros else p.grad.clone()
+        for k, p in leaves.items()
+    }
 
 
 def _elbo(est):
@@ -160,19 +166,6 @@ def test_nested_transformed_equals_flat(case, est):
             torch.testing.assert_close(gn[k], gf[k], rtol=1e-9, atol=1e-10)
 
 
-def _grads_or_none(elbo, model, guide, seed):
-    """``_grads``, with zeros for the parameters no gradient reached (an unused module)."""
-    pyro.set_rng_seed(seed)
-    store = pyro.get_param_store()
-    for p in store.values():
-        p.unconstrained().grad = None
-    loss = elbo.loss_and_grads(model, guide)
-    leaves = {k: v.unconstrained() for k, v in store.items()}
-    return loss, {
-        k: torch.zeros_like(p) if p.grad is None else p.grad.clone() for k, p in leaves.items()
-    }
-
-
 def _flow():
     torch.manual_seed(0)
     flow = dist.transforms.planar(2).to(torch.float64)
@@ -236,8 +229,8 @@ def test_nested_flow_and_cached_transform_equal_flat(case, est):
     flow = _flow()
     _nested_guide_2d(flat, flow)()
     for seed in range(3):
-        ln, gn = _grads_or_none(_elbo(est), _nested_model_2d, _nested_guide_2d(nested, flow), seed)
-        lf, gf = _grads_or_none(_elbo(est), _nested_model_2d, _nested_guide_2d(flat, flow), seed)
+        ln, gn = _grads(_elbo(est), _nested_model_2d, _nested_guide_2d(nested, flow), seed, True)
+        lf, gf = _grads(_elbo(est), _nested_model_2d, _nested_guide_2d(flat, flow), seed, True)
         assert ln == pytest.approx(lf, rel=1e-10, abs=1e-10)
         reached = {k for k, g in gf.items() if g.abs().max() > 0}
         assert {"n2_loc", "n2_s"} <= reached  # the base's parameters get a gradient

@@ -264,7 +264,8 @@ def test_frozen_weights_mean_gradient_equals_pyro_trace_elbo_paired(frozen):
         fixed = {k: 3 * torch.randn(p.shape, generator=g) - 1 for k, p in leaves()}
         elbo._cv.weight = lambda name, like: fixed[name].to(like)
         elbo._cv.weight_many = lambda names, likes: [fixed[n].to(t) for n, t in zip(names, likes)]
-        elbo._cv.uniform = lambda key: None  # frozen, not at an endpoint: every step measures
+        # frozen, not at an endpoint: every step measures
+        elbo._cv.settled = lambda key: (None, 1.0)
     else:
         elbo._cv.fixed_weight = float(frozen)
     ref = PyroTrace_ELBO(max_plate_nesting=1)
