@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import math
 
+import pyro
 import torch
 import torch.distributed as torch_dist
+from pyro.infer import Trace_ELBO as _PyroTrace_ELBO
 from pyro.util import warn_if_nan
 from torch.distributions import TransformedDistribution
 
@@ -66,7 +68,7 @@ class _ControlVariate:
         center: bool = True,
         confidence: float = 2.0,
         fixed_weight: float | None = None,
-        mix_gain: float | None = 1.25,
+        mix_gain: float | None = 2.0,
     ):
         if mix_gain is not None and not (math.isfinite(mix_gain) and mix_gain >= 1.0):
             raise ValueError(
@@ -168,7 +170,7 @@ class _ControlVariate:
 
     #: after the first ``_FRESH`` steps past warm-up, the fit is recomputed every ``_REFIT``
     #: steps (the weights still come from earlier steps only; a fit costs ~35 vector ops)
-    _REFIT, _FRESH = 4, 10
+    _REFIT, _FRESH = 4, 5
 
     def _cached_fit(self, st: dict, like: torch.Tensor) -> dict:
         fit = st.get("fit")
@@ -284,11 +286,14 @@ class _ControlVariate:
 
     def update_many(
         self, names: list[str], g_paths: list[torch.Tensor], g_cvs: list[torch.Tensor]
-    ) -> None:
-        """:meth:`update` of several parameters at once (see :meth:`weight_many`)."""
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`update` of several parameters at once (see :meth:`weight_many`); returns
+        the two parts flattened, in the joint state's order."""
         key = self._key(names, g_cvs)
         cat = torch.cat
-        self.update(key, cat([g.reshape(-1) for g in g_paths]), cat([g.reshape(-1) for g in g_cvs]))
+        p, c = cat([g.reshape(-1) for g in g_paths]), cat([g.reshape(-1) for g in g_cvs])
+        self.update(key, p, c)
+        return p, c
 
     @staticmethod
     def _to(st: dict, like: torch.Tensor) -> None:
@@ -396,6 +401,69 @@ class _ControlVariate:
         self.layouts = {k: [tuple(e) for e in v] for k, v in state.get("layouts", {}).items()}
 
 
+class _Gate:
+    r"""Whether any weights could pay for a measured step, from the gradients the steps apply.
+
+    For every weight vector :math:`b`, :math:`S(b) = \mathbb E \lVert g(b) \rVert^2 =
+    \lVert \mathbb E g \rVert^2 + \sum_e \operatorname{Var} g_e(b) \ge \lVert \mathbb E g
+    \rVert^2` (the mean is every weight's mean), so against the endpoint :math:`e` that direct
+    steps take, no weights (the fitted mix, the other endpoint) reduce the second moment by
+    more than
+
+    .. math::
+
+        B = \frac{S(e)}{\lVert \mathbb E g \rVert^2}
+          = \frac{\mathbb E \lVert g_t \rVert^2}{\mathbb E \langle g_t, g_{t-1} \rangle},
+
+    where :math:`g_t = g(e)` is step :math:`t`'s gradient (a direct step's, or
+    :math:`g_\text{path} + e\, g_\text{cv}` on a measured step): two steps' draws are
+    independent, so :math:`\langle g_t, g_{t-1} \rangle` is an unbiased estimate of
+    :math:`\lVert \mathbb E g \rVert^2` while the parameters move little between steps. The
+    gate keeps exponentially weighted sums (factor ``decay``) of both scalars: no score part, no
+    second backward, two dot products a step. A mean that turns along the window lowers the
+    denominator, which only makes :math:`B` larger (more measuring).
+    """
+
+    #: effective number of samples (products) before the bound is read
+    MIN_SAMPLES = 5.0
+
+    def __init__(self, decay: float):
+        self.decay = decay
+        self.reset(1.0)
+
+    def reset(self, e: float) -> None:
+        """Forget the moments; the steps now take endpoint ``e``."""
+        self.e, self.prev, self.sums, self.w1, self.w2 = e, None, None, 0.0, 0.0
+
+    def update(self, g: torch.Tensor) -> None:
+        """Add one step's applied gradient (flattened, in the order of the joint state)."""
+        g = g.detach()
+        prev = self.prev
+        self.prev = g
+        if prev is None or prev.shape != g.shape or prev.dtype != g.dtype:
+            self.sums, self.w1, self.w2 = None, 0.0, 0.0  # another parameter set: start again
+            return
+        new = torch.stack([g.dot(g), g.dot(prev.to(g.device))])
+        self.sums = new if self.sums is None else self.sums.to(g.device).mul_(self.decay).add_(new)
+        self.w1, self.w2 = self.decay * self.w1 + 1.0, self.decay**2 * self.w2 + 1.0
+
+    def bound(self) -> float:
+        """:math:`B` (``inf`` until ``MIN_SAMPLES`` effective samples, or with no mean left)."""
+        if self.sums is None or self.w1 * self.w1 < self.MIN_SAMPLES * self.w2:
+            return math.inf
+        sq, cross = self.sums.tolist()
+        return sq / cross if cross > 0 else math.inf
+
+    def state_dict(self) -> dict:
+        t = {"prev": self.prev, "sums": self.sums}
+        out = {k: (v.clone() if v is not None else None) for k, v in t.items()}
+        return {**out, "e": self.e, "w1": self.w1, "w2": self.w2}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.e, self.w1, self.w2 = state["e"], state["w1"], state["w2"]
+        self.prev, self.sums = state["prev"], state["sums"]
+
+
 def _trace_params(*traces) -> list[torch.Tensor]:
     """The leaf tensors of the ``param`` sites of the traces (unconstrained), in trace order."""
     out: list[torch.Tensor] = []
@@ -470,6 +538,7 @@ class _AdaptiveMixin:
         self._distributed = distributed
         self._key: str | None = None  # the joint state of the last measured step's parameters
         self._unmeasured, self._interval, self._last_end = 0, 4, None  # direct steps' schedule
+        self._gate = _Gate(self._cv.decay)
 
     # -- public state ---------------------------------------------------------------
     @property
@@ -489,6 +558,7 @@ class _AdaptiveMixin:
         (with the schedule of direct and measured steps)."""
         schedule = {"key": self._key, "unmeasured": self._unmeasured}
         schedule.update(interval=self._interval, last_end=self._last_end)
+        schedule.update(gate=self._gate.state_dict())
         return {**self._cv.state_dict(), "schedule": schedule}
 
     def load_state_dict(self, state: dict) -> None:
@@ -496,12 +566,16 @@ class _AdaptiveMixin:
         sch = state.get("schedule", {})
         self._key, self._unmeasured = sch.get("key"), sch.get("unmeasured", 0)
         self._interval, self._last_end = sch.get("interval", 4), sch.get("last_end")
+        self._gate = _Gate(self._cv.decay)
+        if "gate" in sch:
+            self._gate.load_state_dict(sch["gate"])
 
     def reset(self) -> None:
         """Forget the moments (the next step is ``Trace_ELBO``'s / IWAE's, ``b = 1``)."""
         self._cv.state.clear()
         self._cv.layouts.clear()
         self._key, self._unmeasured, self._last_end = None, 0, None
+        self._gate.reset(1.0)
 
     # -- the step -------------------------------------------------------------------
     _cv_first = True  # whether the control variate's pass runs before the base backward
@@ -559,7 +633,11 @@ class _AdaptiveMixin:
         flat = _allreduce_mean([g_path[p] for p in order] + [g_cv[p] for p in order], world)
         n = len(order)
         if n:
-            self._cv.update_many(keys, flat[:n], flat[n:])
+            p, c = self._cv.update_many(keys, flat[:n], flat[n:])
+            if (
+                self._cv.mix_gain is not None
+            ):  # the gradient of a direct step at the gate's endpoint
+                self._gate.update(p if self._gate.e == 0.0 else p + self._gate.e * c)
         for p, old in saved.items():  # add back what .grad held before the step
             if old is not None:
                 p.grad = old if p.grad is None else old.add_(p.grad)
@@ -822,8 +900,8 @@ class TraceAdaptiveSTL_ELBO(_AdaptiveMixin, TraceSTL_ELBO):
        :math:`\lambda = \max\big(0,\, 1 - (z s)^2 / (\hat b - e)^2\big)`: it stays at the
        endpoint while :math:`\hat b` is within :math:`z` standard errors of it.
 
-    The first ``warmup`` steps, and a parameter new to the estimator (or whose shape
-    changed: its state is reset), use :math:`b = 1`: the first step is exactly
+    The first ``warmup`` measured steps, and a parameter new to the estimator (or whose
+    shape changed: its state is reset), use :math:`b = 1`: the first step is exactly
     ``Trace_ELBO``'s. Far from the posterior the score part is what cancels the noise of
     the entropy gradient (for a Normal site, :math:`\partial/\partial\log\sigma` of the
     entropy is :math:`-1` under ``Trace_ELBO``, :math:`-\epsilon^2`, variance 2, under
@@ -867,31 +945,50 @@ class TraceAdaptiveSTL_ELBO(_AdaptiveMixin, TraceSTL_ELBO):
     the moments and the step). With ``num_particles`` the moments are those of the
     step's averaged gradient, whose :math:`b^\star` equals a single particle's.
 
-    **Cost.** One model and one guide pass (the default STL path: no relays for plain
-    families), the base backward, and one small backward of the score parts
+    **Cost: measured and direct steps.** A *measured* step forms both parts: one model
+    and one guide pass (the default STL path: no relays for plain families), the base
+    backward, and one small backward of the score parts
     :math:`\log q(z;\phi) - \log q(z;\bot(\phi))` (it reaches the guide's parameters only;
     for an amortized guide, one backward of the encoder), plus eight buffers (five without
     ``center``) of each guide parameter's size, kept as one joint state for the step's
-    parameters: one fit and one update per step, the fit recomputed every 4 steps after the
-    first 10 past warm-up. Such a measured step costs about 1.2-1.4 ``Trace_ELBO`` steps.
-    Once settled (after those 10), ``loss_and_grads`` in one process (SVI's path;
-    ``differentiable_loss`` and distributed runs measure every step) takes STL's or
-    ``Trace_ELBO``'s gradient directly (one backward, no moments; about 1.0 ``Trace_ELBO``
-    step) on all steps but one in 4, then one in 8, then one in 16 while the policy keeps
-    the same choice and predicts that the mix would gain little (the better endpoint's
-    :math:`S(e)` within 5% of :math:`S(b)`; otherwise one in 4, and back to one in 4 when
-    the choice changes; the measured step forms both parts)
-    when the
-    per-element mix would not pay for that cost: while every weight is exactly 0 or exactly
-    1, or while the better endpoint's predicted total second moment
-    :math:`S(e) = \lVert \mathbb E g \rVert^2 + \sum_e \operatorname{Var} g_e(e)` is
-    within ``mix_gain`` of the fitted weights' :math:`S(b)` (both from the moments, by the
-    first identity above). A normalized optimizer's step advances by the mean's share of
-    :math:`S`: far from the optimum the mean gradient dominates and removing variance buys
-    little, so the cheaper step wins there, while near the optimum the variance dominates
-    and every step measures.
-    The choice comes from earlier steps, so the direct step is unbiased too; it is the
-    estimator with :math:`b \equiv e`.
+    parameters (one fit and one update per step; the fit recomputed every 4 steps after
+    the first 5 past warm-up). It costs about 1.3-1.45 ``Trace_ELBO`` steps on small
+    models. A *direct* step takes one endpoint's gradient with one backward and no score
+    part: ``Trace_ELBO``'s is Pyro's own :class:`pyro.infer.Trace_ELBO` step (its cost
+    exactly; ``block_grad`` routes pass through their gates there), STL's is
+    :class:`TraceSTL_ELBO`'s. In one process, ``loss_and_grads`` (SVI's path) chooses,
+    from earlier steps only:
+
+    1. **the gate** (:class:`_Gate`): for every :math:`b`,
+       :math:`S(b) = \lVert \mathbb E g \rVert^2 + \sum_e \operatorname{Var} g_e(b)
+       \ge \lVert \mathbb E g \rVert^2`, so no weights can reduce the second moment of the
+       endpoint :math:`e` the steps take by more than
+       :math:`B = S(e) / \lVert \mathbb E g \rVert^2`, which the applied gradients alone
+       estimate (:math:`\mathbb E \lVert g_t \rVert^2 / \mathbb E \langle g_t, g_{t-1}
+       \rangle`, two dot products a step). While :math:`B \le` ``mix_gain`` no step
+       measures: far from the optimum, where the mean gradient dominates (Pyro's narrow
+       initial scales), the estimator runs at ``Trace_ELBO``'s cost. The first step measures
+       (it names the parameters), and the gate reads :math:`B` after 5 effective samples;
+    2. otherwise, until the policy settles (``warmup`` plus 5 measured steps), every step
+       measures;
+    3. once settled, while every weight is exactly 0 or 1, or the better endpoint's
+       predicted total second moment :math:`S(e)` is within ``mix_gain`` of the fitted
+       weights' :math:`S(b)` (both from the moments, by the first identity above), steps
+       take that endpoint directly, measuring one step in 4, then one in 8, 16 and 32 while
+       the policy keeps the choice and predicts that the mix would gain little
+       (:math:`S(e)` within 5% of :math:`S(b)`; otherwise one in 4, and back to one in 4
+       when the choice changes); where the mix pays more than ``mix_gain``, every step
+       measures and applies it.
+
+    A normalized optimizer's step advances by the mean's share of :math:`S`: far from the
+    optimum removing variance buys little, so the cheaper step wins there, while near it the
+    variance dominates. ``mix_gain`` (default 2) is above what a measured step costs because
+    a smaller second moment shortens Adam's steps' noise less than proportionally: on the
+    benchmark's hierarchical GLM, mixing from a predicted gain of 1.25 won +0.53 nats at
+    equal steps but lost -0.40 at equal CPU time in 300 steps; from 2, +0.35 and +0.02.
+    ``differentiable_loss`` and distributed runs measure every step. Every choice comes from
+    earlier steps, so a direct step is unbiased too: it is the estimator with
+    :math:`b \equiv e`.
 
     **Sites.** Sites without a score part (``Delta``, non-reparameterized sites,
     ``infer={"stl": False}``, flows that cannot be split, ``Rejector``-like families with
@@ -934,7 +1031,8 @@ class TraceAdaptiveSTL_ELBO(_AdaptiveMixin, TraceSTL_ELBO):
         short beside the optimizer's timescale, as :math:`b^\star` moves with the
         parameters; the shrinkage keeps a short window's noise from costing variance.
     :param clip: optional bound on :math:`|\hat b|`.
-    :param warmup: steps at :math:`b = 1` (``Trace_ELBO``) before the policy may move.
+    :param warmup: measured steps at :math:`b = 1` (``Trace_ELBO``) before the policy may
+        move (steps the gate takes directly do not count).
     :param confidence: :math:`z`, in standard errors of :math:`\hat b`: STL is chosen
         over ``Trace_ELBO`` only when it is better by :math:`z` standard errors, and the
         weight leaves that endpoint only by as much as the evidence allows.
@@ -947,9 +1045,9 @@ class TraceAdaptiveSTL_ELBO(_AdaptiveMixin, TraceSTL_ELBO):
     :param distributed: average the parts over ``torch.distributed`` ranks (see above).
     :param mix_gain: the smallest predicted reduction of the gradient's second moment,
         better endpoint over the fitted mix, for which every step measures; below it most
-        steps take the endpoint directly (see **Cost**; 1.25: about what a measured
-        step costs over a direct one). ``None``: every step measures while the weights
-        are mixed.
+        steps take the endpoint directly, and while the gate's bound on any weights' gain
+        stays below it no step measures (see **Cost**). ``None``: no gate, and every step
+        measures while the weights are mixed.
 
     Other arguments are :class:`pyro.infer.Trace_ELBO`'s.
     """
@@ -961,42 +1059,53 @@ class TraceAdaptiveSTL_ELBO(_AdaptiveMixin, TraceSTL_ELBO):
         *args,
         decay: float = 0.9,
         clip: float | None = None,
-        warmup: int = 10,
+        warmup: int = 5,
         confidence: float = 2.0,
         fixed_weight: float | None = None,
         center: bool = True,
         distributed: bool | None = None,
-        mix_gain: float | None = 1.25,
+        mix_gain: float | None = 2.0,
         **kwargs,
     ):
         super().__init__(num_particles, max_plate_nesting, *args, **kwargs)
         self._init_cv(decay, clip, warmup, center, distributed, confidence, fixed_weight, mix_gain)
+        kwargs.pop("trace_steps", None)
+        # a direct Trace_ELBO step is Pyro's own (block_grad routes through their gates)
+        self._trace = _PyroTrace_ELBO(num_particles, max_plate_nesting, *args, **kwargs)
 
     #: while the policy keeps choosing the same endpoint, the parts are measured on one step
     #: in ``_MEASURE_EVERY``, then in twice as many after each measurement that confirms the
     #: choice, up to one in ``_MEASURE_MAX``
-    _MEASURE_EVERY, _MEASURE_MAX = 4, 16
+    _MEASURE_EVERY, _MEASURE_MAX = 4, 32
     #: the waits grow only while the better endpoint's predicted second moment is within this
     #: factor of the mix's (the mix would gain little); closer to ``mix_gain``, one in 4
     _CALM = 1.05
 
     def loss_and_grads(self, model, guide, *args, **kwargs) -> float:
-        """As :meth:`_AdaptiveMixin.loss_and_grads`; while the policy says a whole estimator
-        would do (``mix_gain``), most steps take STL's or ``Trace_ELBO``'s gradient directly
-        (one backward, no moments; a measured step every 4, then 8, then 16 steps while the
-        choice holds), chosen from earlier steps only, so every step stays unbiased."""
+        """As :meth:`_AdaptiveMixin.loss_and_grads`, with direct steps (one backward, no score
+        parts, no moments of the parts), chosen from earlier steps only, so every step stays
+        unbiased:
+
+        * while the gradients the steps apply bound the gain of any weights within
+          ``mix_gain`` (:class:`_Gate`), no step measures: each takes the gate's endpoint
+          (``Trace_ELBO`` first) directly;
+        * while the policy says a whole estimator would do (``mix_gain``), a measured step
+          every 4, then 8, then 16 steps while the choice holds."""
         end, ratio = self._cv.settled(self._key) if self._key is not None else (None, 1.0)
         if end is None or end != self._last_end:
             self._unmeasured, self._interval = 0, self._MEASURE_EVERY
         self._last_end = end
-        if end is not None and _world(self._distributed) == 1:
+        if _world(self._distributed) > 1 or self._cv.fixed_weight is not None:
+            return super().loss_and_grads(model, guide, *args, **kwargs)
+        gate, gain = self._gate, self._cv.mix_gain
+        if end is not None and end != gate.e:
+            gate.reset(end)
+        if gain is not None and self._key is not None and gate.bound() <= gain:
+            return self._direct_step(gate.e, model, guide, args, kwargs)
+        if end is not None:
             self._unmeasured += 1
             if self._unmeasured < self._interval:
-                self._policy.ordinary, self._scores = end == 1.0, False
-                try:
-                    return RoutedELBO.loss_and_grads(self, model, guide, *args, **kwargs)
-                finally:
-                    self._policy.ordinary, self._scores = False, True
+                return self._direct_step(end, model, guide, args, kwargs)
             # this step measures; while the mix would gain little the next wait is longer
             self._unmeasured = 0
             calm = ratio <= self._CALM
@@ -1004,6 +1113,37 @@ class TraceAdaptiveSTL_ELBO(_AdaptiveMixin, TraceSTL_ELBO):
                 min(2 * self._interval, self._MEASURE_MAX) if calm else self._MEASURE_EVERY
             )
         return super().loss_and_grads(model, guide, *args, **kwargs)
+
+    def _direct_step(self, end: float, model, guide, args, kwargs) -> float:
+        """One step of the endpoint ``end`` (1: Pyro's ``Trace_ELBO``, 0: STL) whose gradient,
+        on the parameters of the last measured step, goes into the gate's moments."""
+        store = dict(pyro.get_param_store().named_parameters())
+        names = [n for n, _ in self._cv.layouts.get(self._key, ())]
+        params = [store.get(n) for n in names]
+        if not params or any(p is None for p in params):
+            params = []  # a parameter the store no longer has: the gate starts again
+            self._gate.reset(end)
+        saved = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        if end == 1.0:
+            self._trace.max_plate_nesting = self.max_plate_nesting
+            loss = self._trace.loss_and_grads(model, guide, *args, **kwargs)
+        else:
+            self._scores = False
+            try:
+                loss = RoutedELBO.loss_and_grads(self, model, guide, *args, **kwargs)
+            finally:
+                self._scores = True
+        if params:
+            zero = torch.zeros_like
+            self._gate.update(
+                torch.cat([(zero(p) if p.grad is None else p.grad).reshape(-1) for p in params])
+            )
+        for p, old in zip(params, saved):  # add back what .grad held before the step
+            if old is not None:
+                p.grad = old if p.grad is None else old.add_(p.grad)
+        return loss
 
     _scores = True  # False during a direct step: no score parts are formed
 

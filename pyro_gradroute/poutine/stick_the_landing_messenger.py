@@ -96,11 +96,8 @@ class STLPolicy:
         """Count one step (a gradient evaluation)."""
         self.steps += 1
 
-    #: set by an estimator for a step that takes the ordinary gradient everywhere
-    ordinary = False
-
     def uses_pathwise(self, site) -> bool:
-        return uses_pathwise(site) and self.active and not self.ordinary
+        return uses_pathwise(site) and self.active
 
     def fallback(self, rec, error) -> bool:
         if rec.name not in self._warned:
@@ -402,7 +399,7 @@ class StickTheLandingMessenger(SplitMessenger):
         if self._fast and self._flows and torch.jit.is_tracing():
             self._fast = False  # a flow's forward-carried rules cannot be traced: the general split
         if self._fast:
-            self._run = _Run(self, self._policy.active and not self._policy.ordinary)
+            self._run = _Run(self, self._policy.active)
         else:
             self.batch = self._new_batch()
         return super().__enter__()

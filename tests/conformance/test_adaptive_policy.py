@@ -12,6 +12,9 @@ for a frozen ``b`` the same-draw reference is ``(1 - b) * STL + b * Trace`` (Pyr
 * ``direct``: a direct step (the policy predicts the better endpoint is within ``mix_gain`` of
   the mixed weights) equals Pyro's ``Trace_ELBO`` / the STL reference on the same seed, for a
   forced choice of each endpoint;
+* ``gate``: a step the gate takes directly (the applied gradients bound any weights' gain
+  within ``mix_gain``) equals Pyro's ``Trace_ELBO`` / the STL reference on the same seed, at
+  each endpoint, and measures nothing (the moments do not move);
 * ``zero``: at the exact posterior (where the guide family holds it) the default policy moves to
   STL after its warm-up, and the guide parameters' gradient is then zero to round-off.
 """
@@ -105,38 +108,67 @@ def check_frozen(case):
                 )
 
 
-def check_direct(case):
+def _assert_endpoint_step(c, case, g, end, what):
+    """``g`` (seed 1) is Pyro's Trace_ELBO gradient (``end`` 1) or the STL reference (0)."""
+    rtol, atol = _tols(case.dtype)
+    if end == 1.0:
+        ref = reference_grad(c, "Trace", 1, c.model, c.guide)
+    else:
+        ref = _stl_reference(c, case, 1)
+    torch.testing.assert_close(
+        g,
+        ref,
+        rtol=rtol * 10,
+        atol=atol * 10,
+        msg=lambda m: f"{case.name}: {what} at b = {end} != its reference\n{m}",
+    )
+
+
+def _check_endpoint_steps(case, seeds, prepare, what):
+    """For each endpoint, ``prepare(elbo, end)`` after ``seeds`` measured steps makes the next
+    step a direct one: it equals its same-draw reference and measures nothing."""
     with cell(case) as c:
         if _probe(c, "Adaptive", c.model, c.guide, case.raise_for("Adaptive", False)):
             return
-        rtol, atol = _tols(case.dtype)
         for end in (1.0, 0.0):
             elbo = _default(case)
-            for seed in (100, 101):  # create the moments (the residual ones on the second)
+            for seed in seeds:
                 _ours(c, elbo, seed)
             if not elbo._cv.state:
                 return  # no score part anywhere: nothing to choose
-            for st in elbo._cv.state.values():  # settled, mixed weights, endpoint predicted as good
-                st["n"], st["age"] = 10**6, -(10**6)
-                fit = elbo._cv._fit(st)
-                fit["b"] = torch.full_like(fit["b"], 0.5)
-                fit["direct"] = end
-                st["fit"] = fit
-            elbo._unmeasured = 0  # the next step is a direct one
+            prepare(elbo, end)
+            (st,) = elbo._cv.state.values()
+            n0 = st["n"]
             g = _ours(c, elbo, 1)
-            if end == 1.0:
-                ref = reference_grad(c, "Trace", 1, c.model, c.guide)
-            else:
-                ref = _stl_reference(c, case, 1)
-            torch.testing.assert_close(
-                g,
-                ref,
-                rtol=rtol * 10,
-                atol=atol * 10,
-                msg=lambda m, end=end: (
-                    f"{case.name}: direct step at b = {end} != its reference\n{m}"
-                ),
-            )
+            assert st["n"] == n0, f"{case.name}: the {what} measured"
+            _assert_endpoint_step(c, case, g, end, what)
+
+
+def _settled_as_good(elbo, end):
+    """Settled, mixed weights, endpoint ``end`` predicted as good: a direct step is next."""
+    for st in elbo._cv.state.values():
+        st["n"], st["age"] = 10**6, -(10**6)
+        fit = elbo._cv._fit(st)
+        fit["b"] = torch.full_like(fit["b"], 0.5)
+        fit["direct"] = end
+        st["fit"] = fit
+    elbo._unmeasured = 0
+
+
+def _quiet_gate(elbo, end):
+    """No weights could gain over ``end``: the gate takes the next step directly."""
+    elbo._gate.reset(end)
+    elbo._gate.bound = lambda: 1.0
+
+
+def check_direct(case):
+    # two measured steps create the moments (the residual ones on the second)
+    _check_endpoint_steps(case, (100, 101), _settled_as_good, "direct step")
+
+
+def check_gate(case):
+    # the first step measures (it names the parameters)
+    _check_endpoint_steps(case, (100,), _quiet_gate, "gate's step")
 
 
 def check_zero(case):
@@ -163,7 +195,7 @@ def _cells():
         spec = case.raise_for("Adaptive", False)
         if spec is not None and not spec.optional:
             continue  # the matrix's raises cells cover these
-        out += [(case, "first"), (case, "frozen"), (case, "direct")]
+        out += [(case, "first"), (case, "frozen"), (case, "direct"), (case, "gate")]
         if case.build_has_exact:
             out.append((case, "zero"))
     return out
@@ -175,4 +207,5 @@ CELLS = _cells()
 @pytest.mark.parametrize("case, check", CELLS, ids=[f"{c.name}-{k}" for c, k in CELLS])
 def test_adaptive_policy(case, check):
     checks = {"first": check_first, "frozen": check_frozen, "direct": check_direct}
+    checks["gate"] = check_gate
     {**checks, "zero": check_zero}[check](case)
