@@ -30,6 +30,7 @@ from ..poutine.split_distribution import SplitDistribution
 from ..poutine.stick_the_landing_messenger import uses_pathwise
 from .elbo import EXTRA, RoutedELBO, Terms
 from .trace_dreg_elbo import TraceDReG_ELBO
+from .trace_elbo import Trace_ELBO
 from .trace_stl_elbo import TraceSTL_ELBO
 from .traces import scaled, site_parts
 
@@ -579,6 +580,7 @@ class _AdaptiveMixin:
 
     # -- the step -------------------------------------------------------------------
     _cv_first = True  # whether the control variate's pass runs before the base backward
+    _routed = False  # whether the last measured step had block_grad routes
 
     def _cv_grads(self, item, params, blocks, retain: bool) -> dict:
         """``{param: g_cv}`` of one trace pair (the control variate, in loss space)."""
@@ -589,10 +591,12 @@ class _AdaptiveMixin:
         loss = 0.0
         saved: dict[torch.Tensor, torch.Tensor | None] = {}  # param -> its .grad before this step
         g_cv: dict[torch.Tensor, torch.Tensor] = {}
+        self._routed = False
         for elbo, terms, blocks, trainable, item in self._iter_particle_items(
             model, guide, args, kwargs
         ):
             loss -= elbo
+            self._routed = self._routed or bool(blocks)
             if not (terms and trainable) or item is None:
                 continue
             params = item["params"]
@@ -955,8 +959,8 @@ class TraceAdaptiveSTL_ELBO(_AdaptiveMixin, TraceSTL_ELBO):
     the first 5 past warm-up). It costs about 1.3-1.45 ``Trace_ELBO`` steps on small
     models. A *direct* step takes one endpoint's gradient with one backward and no score
     part: ``Trace_ELBO``'s is Pyro's own :class:`pyro.infer.Trace_ELBO` step (its cost
-    exactly; ``block_grad`` routes pass through their gates there), STL's is
-    :class:`TraceSTL_ELBO`'s. In one process, ``loss_and_grads`` (SVI's path) chooses,
+    exactly; this package's routed :class:`Trace_ELBO` where the last measured step had
+    ``block_grad`` routes), STL's is :class:`TraceSTL_ELBO`'s. In one process, ``loss_and_grads`` (SVI's path) chooses,
     from earlier steps only:
 
     1. **the gate** (:class:`_Gate`): for every :math:`b`,
@@ -1070,8 +1074,10 @@ class TraceAdaptiveSTL_ELBO(_AdaptiveMixin, TraceSTL_ELBO):
         super().__init__(num_particles, max_plate_nesting, *args, **kwargs)
         self._init_cv(decay, clip, warmup, center, distributed, confidence, fixed_weight, mix_gain)
         kwargs.pop("trace_steps", None)
-        # a direct Trace_ELBO step is Pyro's own (block_grad routes through their gates)
+        # a direct Trace_ELBO step is Pyro's own; where the last measured step had block_grad
+        # routes, the routed Trace_ELBO's (Pyro's gates cannot route REINFORCE terms)
         self._trace = _PyroTrace_ELBO(num_particles, max_plate_nesting, *args, **kwargs)
+        self._routed_trace = Trace_ELBO(num_particles, max_plate_nesting, *args, **kwargs)
 
     #: while the policy keeps choosing the same endpoint, the parts are measured on one step
     #: in ``_MEASURE_EVERY``, then in twice as many after each measurement that confirms the
@@ -1127,8 +1133,9 @@ class TraceAdaptiveSTL_ELBO(_AdaptiveMixin, TraceSTL_ELBO):
         for p in params:
             p.grad = None
         if end == 1.0:
-            self._trace.max_plate_nesting = self.max_plate_nesting
-            loss = self._trace.loss_and_grads(model, guide, *args, **kwargs)
+            trace = self._routed_trace if self._routed else self._trace
+            trace.max_plate_nesting = self.max_plate_nesting
+            loss = trace.loss_and_grads(model, guide, *args, **kwargs)
         else:
             self._scores = False
             try:
