@@ -426,7 +426,7 @@ class _Gate:
     """
 
     #: effective number of samples (products) before the bound is read
-    MIN_SAMPLES = 5.0
+    MIN_SAMPLES = 3.0
 
     def __init__(self, decay: float):
         self.decay = decay
@@ -559,7 +559,7 @@ class _AdaptiveMixin:
         (with the schedule of direct and measured steps)."""
         schedule = {"key": self._key, "unmeasured": self._unmeasured}
         schedule.update(interval=self._interval, last_end=self._last_end)
-        schedule.update(gate=self._gate.state_dict())
+        schedule.update(gate=self._gate.state_dict(), gate_count=self._gate_count)
         return {**self._cv.state_dict(), "schedule": schedule}
 
     def load_state_dict(self, state: dict) -> None:
@@ -567,7 +567,7 @@ class _AdaptiveMixin:
         sch = state.get("schedule", {})
         self._key, self._unmeasured = sch.get("key"), sch.get("unmeasured", 0)
         self._interval, self._last_end = sch.get("interval", 4), sch.get("last_end")
-        self._gate = _Gate(self._cv.decay)
+        self._gate, self._gate_count = _Gate(self._cv.decay), sch.get("gate_count", 0)
         if "gate" in sch:
             self._gate.load_state_dict(sch["gate"])
 
@@ -577,10 +577,12 @@ class _AdaptiveMixin:
         self._cv.layouts.clear()
         self._key, self._unmeasured, self._last_end = None, 0, None
         self._gate.reset(1.0)
+        self._gate_count = 0
 
     # -- the step -------------------------------------------------------------------
     _cv_first = True  # whether the control variate's pass runs before the base backward
     _routed = False  # whether the last measured step had block_grad routes
+    _gate_count = 0  # direct steps since the gate last read one's gradient
 
     def _cv_grads(self, item, params, blocks, retain: bool) -> dict:
         """``{param: g_cv}`` of one trace pair (the control variate, in loss space)."""
@@ -972,7 +974,7 @@ class TraceAdaptiveSTL_ELBO(_AdaptiveMixin, TraceSTL_ELBO):
        \rangle`, two dot products a step). While :math:`B \le` ``mix_gain`` no step
        measures: far from the optimum, where the mean gradient dominates (Pyro's narrow
        initial scales), the estimator runs at ``Trace_ELBO``'s cost. The first step measures
-       (it names the parameters), and the gate reads :math:`B` after 5 effective samples;
+       (it names the parameters), and the gate reads :math:`B` after 3 effective samples;
     2. otherwise, until the policy settles (``warmup`` plus 5 measured steps), every step
        measures;
     3. once settled, while every weight is exactly 0 or 1, or the better endpoint's
@@ -1120,15 +1122,22 @@ class TraceAdaptiveSTL_ELBO(_AdaptiveMixin, TraceSTL_ELBO):
             )
         return super().loss_and_grads(model, guide, *args, **kwargs)
 
+    #: a direct step's gradient goes into the gate's moments on one direct step in this many
+    #: (two draws ``k`` steps apart are as independent as neighbours: the bound stays unbiased)
+    _GATE_EVERY = 4
+
     def _direct_step(self, end: float, model, guide, args, kwargs) -> float:
-        """One step of the endpoint ``end`` (1: Pyro's ``Trace_ELBO``, 0: STL) whose gradient,
-        on the parameters of the last measured step, goes into the gate's moments."""
-        store = dict(pyro.get_param_store().named_parameters())
-        names = [n for n, _ in self._cv.layouts.get(self._key, ())]
-        params = [store.get(n) for n in names]
-        if not params or any(p is None for p in params):
-            params = []  # a parameter the store no longer has: the gate starts again
-            self._gate.reset(end)
+        """One step of the endpoint ``end`` (1: Pyro's ``Trace_ELBO``, 0: STL); on one in
+        ``_GATE_EVERY``, its gradient on the parameters of the last measured step goes into the
+        gate's moments."""
+        self._gate_count = (self._gate_count + 1) % self._GATE_EVERY
+        params = []
+        if self._gate_count == 0:
+            store = dict(pyro.get_param_store().named_parameters())
+            params = [store.get(n) for n, _ in self._cv.layouts.get(self._key, ())]
+            if not params or any(p is None for p in params):
+                params = []  # a parameter the store no longer has: the gate starts again
+                self._gate.reset(end)
         saved = [p.grad for p in params]
         for p in params:
             p.grad = None
