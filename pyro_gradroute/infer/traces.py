@@ -106,9 +106,12 @@ def get_split_importance_trace(
         could not, and then this function returns ``None``.
     :returns: ``(model_trace, guide_trace)`` with log-probabilities computed.
     """
-    batch = SplitBatch(needs_split, fallback, pathwise)
     # an estimator that splits no site (needs_split is False) runs the guide as Pyro does
-    splitting = SplitMessenger(batch) if needs_split is not False else contextlib.nullcontext()
+    splitting = (
+        SplitMessenger(SplitBatch(needs_split, fallback, pathwise))
+        if needs_split is not False
+        else contextlib.nullcontext()
+    )
     unwrapped_guide = poutine.unwrap(guide)
     if isinstance(unwrapped_guide, poutine.messenger.Messenger):
         if replay_values is not None:
