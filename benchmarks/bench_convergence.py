@@ -32,7 +32,9 @@ Estimators (a registry: one line each): ``trace`` (Pyro's ``Trace_ELBO``; ``Trac
 for the mixture), ``stl`` (``TraceSTL_ELBO``; for the mixture Pyro's ``TraceEnum_ELBO`` with
 the guide under ``stick_the_landing``), ``trace->stl`` (``TraceSTL_ELBO(trace_steps=N)``
 with N 30% of the steps: ``Trace_ELBO``'s gradient first, then STL), ``adaptive``
-(``TraceAdaptiveSTL_ELBO()`` with its defaults), and for the VAE ``iwae`` (Pyro's
+(``TraceAdaptiveSTL_ELBO()`` with its defaults), ``switch`` (the measured switch:
+``TraceAdaptiveSTL_ELBO(mix_gain=math.inf)``, ``Trace_ELBO`` first, STL once its measured second
+moment is the lower, never a mix), and for the VAE ``iwae`` (Pyro's
 ``RenyiELBO(alpha=0, num_particles=8)``) and ``dreg`` (``TraceDReG_ELBO(num_particles=8)``).
 
 Reported per model x estimator, over the seeds:
@@ -304,12 +306,19 @@ def _adaptive(p: Problem):
     return TraceAdaptiveSTL_ELBO(), p.guide
 
 
+def _switch(p: Problem):
+    if p.enum:
+        return None
+    return TraceAdaptiveSTL_ELBO(mix_gain=math.inf), p.guide
+
+
 #: name -> (problem -> (step, total) -> (elbo, guide)); models a row applies to (None: all)
 ESTIMATORS: dict[str, tuple[Callable, set | None]] = {
     "trace": (_always(_trace), None),
     "stl": (_always(_stl), None),
     "trace->stl": (_trace_steps(0.3), None),
     "adaptive": (_always(_adaptive), None),
+    "switch": (_always(_switch), None),
     "iwae": (
         _always(
             lambda p: (

@@ -71,10 +71,11 @@ class _ControlVariate:
         fixed_weight: float | None = None,
         mix_gain: float | None = 2.0,
     ):
-        if mix_gain is not None and not (math.isfinite(mix_gain) and mix_gain >= 1.0):
+        if mix_gain is not None and not mix_gain >= 1.0:  # (NaN fails this too)
             raise ValueError(
-                f"mix_gain must be a finite ratio of second moments >= 1 (or None: the mix measures on "
-                f"every step), got {mix_gain}"
+                f"mix_gain must be a ratio of second moments >= 1 (inf: never mix, a measured "
+                f"switch between the whole estimators; None: the mix measures on every step), "
+                f"got {mix_gain}"
             )
         self.mix_gain = None if mix_gain is None else float(mix_gain)
         if not 0.0 <= decay < 1.0:
@@ -129,14 +130,10 @@ class _ControlVariate:
         shrink = (1 - zse.square() / d2.clamp_min(tiny)).clamp_min(0)
         shrink = torch.where(d2 > 0, shrink, torch.zeros_like(shrink)).nan_to_num(0.0)
         b = end + shrink * d
-        return {
-            "b": b,
-            "b_hat": b_hat,
-            "se": se,
-            "endpoint": end,
-            "n_eff": n_eff,
-            **(self._direct(st, b) if self.center else {"direct": None, "ratio": None}),
-        }
+        direct = self._direct(st, b) if self.center else {"direct": None, "ratio": None}
+        if self.mix_gain == math.inf and direct["direct"] is not None:
+            b = torch.full_like(b, direct["direct"])  # a switch: one whole estimator
+        return {"b": b, "b_hat": b_hat, "se": se, "endpoint": end, "n_eff": n_eff, **direct}
 
     def _direct(self, st: dict, b: torch.Tensor) -> dict:
         r"""``{"direct": e, "ratio": r}``: the whole estimator (0: STL, 1: ``Trace_ELBO``) a
@@ -164,7 +161,8 @@ class _ControlVariate:
         s1 = mean2 + float((var_p + 2 * cov + var_c).sum())
         best, s_end = (0.0, s0) if s0 <= s1 else (1.0, s1)
         ratio = s_end / s_mix if s_mix > 0 else 1.0
-        return {"direct": best if s_end <= self.mix_gain * s_mix else None, "ratio": ratio}
+        direct = best if self.mix_gain == math.inf or s_end <= self.mix_gain * s_mix else None
+        return {"direct": direct, "ratio": ratio}
 
     def _ready(self, st: dict | None) -> bool:
         return st is not None and st["n"] > self.warmup and st["qw"] > 0
@@ -1053,7 +1051,10 @@ class TraceAdaptiveSTL_ELBO(_AdaptiveMixin, TraceSTL_ELBO):
         better endpoint over the fitted mix, for which every step measures; below it most
         steps take the endpoint directly, and while the gate's bound on any weights' gain
         stays below it no step measures (see **Cost**). ``None``: no gate, and every step
-        measures while the weights are mixed.
+        measures while the weights are mixed. ``math.inf``: never mix: a *measured switch*
+        between the whole estimators, ``Trace_ELBO`` first and STL once its predicted second
+        moment :math:`S(0)` is the lower (each step one endpoint's gradient at that
+        endpoint's cost, plus the measured steps; the gate measures once :math:`B > 2`).
 
     Other arguments are :class:`pyro.infer.Trace_ELBO`'s.
     """
@@ -1108,7 +1109,11 @@ class TraceAdaptiveSTL_ELBO(_AdaptiveMixin, TraceSTL_ELBO):
         gate, gain = self._gate, self._cv.mix_gain
         if end is not None and end != gate.e:
             gate.reset(end)
-        if gain is not None and self._key is not None and gate.bound() <= gain:
+        if (
+            gain is not None
+            and self._key is not None
+            and gate.bound() <= min(gain, self._SWITCH_GATE)
+        ):
             return self._direct_step(gate.e, model, guide, args, kwargs)
         if end is not None:
             self._unmeasured += 1
@@ -1121,6 +1126,10 @@ class TraceAdaptiveSTL_ELBO(_AdaptiveMixin, TraceSTL_ELBO):
                 min(2 * self._interval, self._MEASURE_MAX) if calm else self._MEASURE_EVERY
             )
         return super().loss_and_grads(model, guide, *args, **kwargs)
+
+    #: the gate's threshold with ``mix_gain=inf`` (a switch between the whole estimators: the
+    #: parts are measured once the other endpoint could gain this much)
+    _SWITCH_GATE = 2.0
 
     #: a direct step's gradient goes into the gate's moments on one direct step in this many
     #: (two draws ``k`` steps apart are as independent as neighbours: the bound stays unbiased)

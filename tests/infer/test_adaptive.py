@@ -891,3 +891,30 @@ def test_gate_direct_steps_keep_block_grad_routes(end):
     assert_same(ours, grads_on_seed(ref, routed_model, conditional_guide, 3, X))
     unrouted = grads_on_seed(ref, conditional_model, conditional_guide, 3, X)
     assert not torch.allclose(ours["a"], unrouted["a"])  # the route matters here
+
+
+def test_measured_switch_never_mixes_and_moves_to_stl():
+    """mix_gain=inf: every step is one whole estimator's gradient on the same seed (Pyro's
+    Trace_ELBO first; at the exact posterior, where STL's gradient is zero, STL)."""
+    gm, guide = _exact_posterior_problem()
+    elbo = TraceAdaptiveSTL_ELBO(mix_gain=math.inf)
+    ends = []
+    for seed in range(40):
+        ours = grads_on_seed(elbo, gm.model, guide, seed)
+        trace = grads_on_seed(PyroTrace_ELBO(), gm.model, guide, seed)
+        stl = grads_on_seed(TraceSTL_ELBO(), gm.model, guide, seed)
+        same = [
+            all(torch.allclose(ours[k], ref[k], atol=1e-6) for k in ref) for ref in (trace, stl)
+        ]
+        assert any(same), f"step {seed} mixes"
+        ends.append(1.0 if same[0] else 0.0)
+    assert ends[0] == 1.0 and ends[-10:] == [0.0] * 10
+    for b in elbo.control_variate_weights().values():
+        assert bool((b == 0).all())
+
+
+def test_mix_gain_bad_values():
+    with pytest.raises(ValueError, match="mix_gain"):
+        TraceAdaptiveSTL_ELBO(mix_gain=math.nan)
+    with pytest.raises(ValueError, match="mix_gain"):
+        TraceAdaptiveSTL_ELBO(mix_gain=0.9)
