@@ -579,3 +579,78 @@ def gate(
     _skip_none_in_term_hooks(term)
     plan = _GatePlan(graph, allowed, blocked_nodes)
     return _Gate.apply(plan, term, *(p for p, _ in allowed))
+
+
+# ----------------------------------------------------------------------------- graph walks
+def reached(tensor: torch.Tensor, candidates: Sequence[torch.Tensor]) -> list[int]:
+    """Indices of the ``candidates`` whose autograd node lies on ``tensor``'s graph.
+
+    The search stops at candidate nodes (it does not look below them).
+    """
+    if tensor.grad_fn is None or not candidates:
+        return []
+    targets = {c.grad_fn: i for i, c in enumerate(candidates) if c.grad_fn is not None}
+    return reached_nodes([tensor], targets)
+
+
+def reached_nodes(tensors: Sequence[torch.Tensor], targets: dict) -> list[int]:
+    """``targets[node]`` (sorted) of the target autograd nodes the tensors' graphs reach.
+
+    One walk for all ``tensors``; it stops at target nodes (it does not look below them).
+    """
+    if not targets:
+        return []
+    hit: set[int] = set()
+    stack = [t.grad_fn for t in tensors if t.grad_fn is not None]
+    seen = set(stack)
+    while stack:
+        node = stack.pop()
+        i = targets.get(node)
+        if i is not None:
+            hit.add(i)
+            continue
+        for f, _ in node.next_functions:
+            # a leaf's accumulator ends the path and is no target (targets are samples')
+            if f is not None and type(f) is not _ACCUMULATE and f not in seen:
+                seen.add(f)
+                stack.append(f)
+    return sorted(hit)
+
+
+def _accumulate_type() -> type:
+    """The class of the autograd node that accumulates into a leaf (``next_functions`` of its use)."""
+    leaf = torch.zeros((), requires_grad=True)
+    return type((leaf * 1).grad_fn.next_functions[0][0])
+
+
+_ACCUMULATE = _accumulate_type()
+
+
+def reaches_leaf_directly(
+    t: torch.Tensor, stops: Sequence[torch.Tensor] = (), stop_nodes=None
+) -> bool:
+    """Whether ``t``'s graph reaches a leaf that requires grad other than through ``stops``.
+
+    ``stops`` are tensors (relays, detached values) at which the search ends; or
+    ``stop_nodes``, a container of their autograd nodes (non-leaf stops only).
+    """
+    if t.grad_fn is None:
+        return t.requires_grad
+    if stop_nodes is None:
+        stop_nodes = {s.grad_fn for s in stops if s.grad_fn is not None}
+        stop_leaves = {id(s) for s in stops if s.grad_fn is None}
+    else:
+        stop_leaves = set()
+    seen, stack = {t.grad_fn}, [t.grad_fn]
+    while stack:
+        node = stack.pop()
+        nexts = node.next_functions
+        if not nexts:  # a leaf's accumulator (or a node without inputs)
+            var = getattr(node, "variable", None)
+            if var is not None and id(var) not in stop_leaves:
+                return True
+        for f, _ in nexts:
+            if f is not None and f not in seen and f not in stop_nodes:
+                seen.add(f)
+                stack.append(f)
+    return False

@@ -211,3 +211,35 @@ def _transform_caches(fn: Distribution) -> list:
         elif isinstance(t, IndependentTransform):
             todo.append(t.base_transform)
     return out
+
+
+def delta_base(fn: Distribution):
+    """The :class:`~pyro.distributions.Delta` inside ``fn`` (unwrapping ``Independent``, ``expand``, ``mask``), or None."""
+    while True:  # (one dict lookup per level: Pyro's classes are ABCs, slow in isinstance)
+        cls = type(fn)
+        k = _DELTA_KIND.get(cls)
+        if k is None:
+            k = _DELTA_KIND[cls] = (
+                1
+                if issubclass(cls, (Independent, ExpandedDistribution, MaskedDistribution))
+                else 2
+                if issubclass(cls, Delta)
+                else 0
+            )
+        if k != 1:
+            return fn if k == 2 else None
+        fn = fn.base_dist
+
+
+#: class -> 1: a wrapper (look inside), 2: a Delta, 0: neither
+_DELTA_KIND: dict[type, int] = {}
+
+
+def is_delta(fn: Distribution) -> bool:
+    """Whether ``fn`` is a :class:`~pyro.distributions.Delta`, possibly wrapped.
+
+    Unwraps ``Independent``, ``ExpandedDistribution`` and ``MaskedDistribution``.
+    A Delta's value is a deterministic function of other samples or of parameters;
+    it is not a random draw.
+    """
+    return delta_base(fn) is not None

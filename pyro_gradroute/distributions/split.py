@@ -79,18 +79,17 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
-from pyro.distributions.delta import Delta
 from pyro.distributions.score_parts import ScoreParts
 from pyro.distributions.torch_distribution import (
-    ExpandedDistribution,
-    MaskedDistribution,
     TorchDistributionMixin,
 )
 from pyro.ops.provenance import detach_provenance, get_provenance, track_provenance
 from torch.distributions import Distribution, Independent, TransformedDistribution
 
 from .._compat import sum_rightmost, transform_cache
+from ..routing import reached
 from . import flows
+from .detached import is_delta
 
 __all__ = [
     "Relay",
@@ -329,55 +328,11 @@ def _add(a, b):
     return a + b
 
 
-def _reached(tensor: torch.Tensor, candidates: Sequence[torch.Tensor]) -> list[int]:
-    """Indices of the ``candidates`` whose autograd node lies on ``tensor``'s graph.
-
-    The search stops at candidate nodes (it does not look below them).
-    """
-    if tensor.grad_fn is None or not candidates:
-        return []
-    targets = {c.grad_fn: i for i, c in enumerate(candidates) if c.grad_fn is not None}
-    return reached_nodes([tensor], targets)
-
-
-def reached_nodes(tensors: Sequence[torch.Tensor], targets: dict) -> list[int]:
-    """``targets[node]`` (sorted) of the target autograd nodes the tensors' graphs reach.
-
-    One walk for all ``tensors``; it stops at target nodes (it does not look below them).
-    """
-    if not targets:
-        return []
-    hit: set[int] = set()
-    stack = [t.grad_fn for t in tensors if t.grad_fn is not None]
-    seen = set(stack)
-    while stack:
-        node = stack.pop()
-        i = targets.get(node)
-        if i is not None:
-            hit.add(i)
-            continue
-        for f, _ in node.next_functions:
-            # a leaf's accumulator ends the path and is no target (targets are samples')
-            if f is not None and type(f) is not _ACCUMULATE and f not in seen:
-                seen.add(f)
-                stack.append(f)
-    return sorted(hit)
-
-
-def _accumulate_type() -> type:
-    """The class of the autograd node that accumulates into a leaf (``next_functions`` of its use)."""
-    leaf = torch.zeros((), requires_grad=True)
-    return type((leaf * 1).grad_fn.next_functions[0][0])
-
-
-_ACCUMULATE = _accumulate_type()
-
-
 def _check_independent(ups: list[torch.Tensor]) -> None:
     """Raise if one of ``ups`` lies on another's graph (the product would count a path twice)."""
     for j, u in enumerate(ups):
         others = [w for i, w in enumerate(ups) if i != j]
-        below = [others[i] for i in _reached(u, others)]
+        below = [others[i] for i in reached(u, others)]
         if below:
             raise ValueError(
                 "split_log_probs: an upstream tensor depends on another one (shape "
@@ -748,9 +703,9 @@ def split_score_parts(items, group: RelayGroup | None = None, on_error=None, cut
             if cut:
                 hit = range(len(upstream))
             else:
-                hit = set(_reached(lp, list(upstream)))
+                hit = set(reached(lp, list(upstream)))
                 if g_flow is not None:  # the sample's own path to upstream tensors
-                    hit.update(_reached(target, list(upstream)))
+                    hit.update(reached(target, list(upstream)))
             for j in sorted(hit):
                 u = upstream[j]
                 k = ups_index.get(id(u))
@@ -813,65 +768,3 @@ def split_score_parts(items, group: RelayGroup | None = None, on_error=None, cut
 
 def _stop_all(parts: ScoreParts) -> ScoreParts:
     return ScoreParts(*(t.detach() if torch.is_tensor(t) else t for t in parts))
-
-
-def reaches_leaf_directly(
-    t: torch.Tensor, stops: Sequence[torch.Tensor] = (), stop_nodes=None
-) -> bool:
-    """Whether ``t``'s graph reaches a leaf that requires grad other than through ``stops``.
-
-    ``stops`` are tensors (relays, detached values) at which the search ends; or
-    ``stop_nodes``, a container of their autograd nodes (non-leaf stops only).
-    """
-    if t.grad_fn is None:
-        return t.requires_grad
-    if stop_nodes is None:
-        stop_nodes = {s.grad_fn for s in stops if s.grad_fn is not None}
-        stop_leaves = {id(s) for s in stops if s.grad_fn is None}
-    else:
-        stop_leaves = set()
-    seen, stack = {t.grad_fn}, [t.grad_fn]
-    while stack:
-        node = stack.pop()
-        nexts = node.next_functions
-        if not nexts:  # a leaf's accumulator (or a node without inputs)
-            var = getattr(node, "variable", None)
-            if var is not None and id(var) not in stop_leaves:
-                return True
-        for f, _ in nexts:
-            if f is not None and f not in seen and f not in stop_nodes:
-                seen.add(f)
-                stack.append(f)
-    return False
-
-
-def delta_base(fn: Distribution):
-    """The :class:`~pyro.distributions.Delta` inside ``fn`` (unwrapping ``Independent``, ``expand``, ``mask``), or None."""
-    while True:  # (one dict lookup per level: Pyro's classes are ABCs, slow in isinstance)
-        cls = type(fn)
-        k = _DELTA_KIND.get(cls)
-        if k is None:
-            k = _DELTA_KIND[cls] = (
-                1
-                if issubclass(cls, (Independent, ExpandedDistribution, MaskedDistribution))
-                else 2
-                if issubclass(cls, Delta)
-                else 0
-            )
-        if k != 1:
-            return fn if k == 2 else None
-        fn = fn.base_dist
-
-
-#: class -> 1: a wrapper (look inside), 2: a Delta, 0: neither
-_DELTA_KIND: dict[type, int] = {}
-
-
-def is_delta(fn: Distribution) -> bool:
-    """Whether ``fn`` is a :class:`~pyro.distributions.Delta`, possibly wrapped.
-
-    Unwraps ``Independent``, ``ExpandedDistribution`` and ``MaskedDistribution``.
-    A Delta's value is a deterministic function of other samples or of parameters;
-    it is not a random draw.
-    """
-    return delta_base(fn) is not None

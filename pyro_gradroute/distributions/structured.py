@@ -269,7 +269,7 @@ def _dep_msg(name: str, up: str) -> str:
 
 
 def _delta(fn):
-    from .split import delta_base
+    from .detached import delta_base
 
     return delta_base(fn)
 

@@ -8,8 +8,10 @@ import torch
 from pyro.infer.util import get_dependent_plate_dims
 from pyro.poutine import Trace
 
-from ..distributions.split import _reached, is_delta, reaches_leaf_directly
+from .. import routing
+from ..distributions.detached import is_delta
 from ..poutine.split_distribution import SplitDistribution, check_delta_density
+from ..routing import reaches_leaf_directly
 from .elbo import EXTRA, RoutedELBO, Terms, _joint_blocks, add_term, collect_blocks
 from .traces import get_split_importance_trace, site_parts
 
@@ -371,7 +373,9 @@ class TraceDReG_ELBO(RoutedELBO):
                 or not site["value"].requires_grad
             ):
                 continue
-            reached = [by_relay[id(rec.upstream[i])] for i in _reached(rec.raw, rec.upstream)]
+            reached = [
+                by_relay[id(rec.upstream[i])] for i in routing.reached(rec.raw, rec.upstream)
+            ]
             direct = reaches_leaf_directly(rec.raw, rec.upstream)
             if reached and direct:
                 raise ValueError(
@@ -389,8 +393,8 @@ class TraceDReG_ELBO(RoutedELBO):
             for n in draws:
                 rec = records.get(n)
                 if rec is not None and rec.upstream:
-                    hit = set(_reached(rec.raw, rec.upstream)) | set(
-                        _reached(rec.parts[2], rec.upstream)
+                    hit = set(routing.reached(rec.raw, rec.upstream)) | set(
+                        routing.reached(rec.parts[2], rec.upstream)
                     )
                     linked = [by_relay[id(rec.upstream[i])] for i in sorted(hit)]
                     self._check_same_scale(n, linked + [n], c)

@@ -38,16 +38,14 @@ from pyro.distributions.score_parts import ScoreParts
 from pyro.poutine.util import site_is_subsample
 
 from ..distributions import flows
-from ..distributions.detached import detached_copy
+from ..distributions.detached import delta_base, detached_copy
 from ..distributions.split import (
     SplitNotSupported,
     _flow_candidate,
-    delta_base,
     flatten_transformed,
-    reached_nodes,
-    reaches_leaf_directly,
     split_score_parts,
 )
+from ..routing import reached_nodes, reaches_leaf_directly
 
 __all__ = ["frontier", "latent_site", "pathwise_score_parts", "site_pathwise"]
 

@@ -21,15 +21,13 @@ from pyro.distributions import TorchDistribution
 from pyro.distributions.score_parts import ScoreParts
 from torch.distributions import Distribution, kl_divergence, register_kl
 
+from ..distributions.detached import delta_base
 from ..distributions.split import (
     Relay,
     RelayGroup,
     SplitNotSupported,
-    _reached,
     _sampled_score_parts,
-    delta_base,
     preimage_rsample,
-    reaches_leaf_directly,
     split_score_parts,
 )
 from ..distributions.structured import (
@@ -37,6 +35,7 @@ from ..distributions.structured import (
     calling_structured_guide,
     structured_pathwise,
 )
+from ..routing import reached, reaches_leaf_directly
 
 _EMPTY = torch.Size()
 
@@ -237,7 +236,7 @@ def _traced_split(rec: SiteRecord) -> tuple:
             "TraceEnum_ELBO) with stick_the_landing, or pyro_gradroute.infer.TraceSTL_ELBO, "
             "which carry the pathwise gradient forward without an inverse."
         ) from e
-    if rec.upstream and _reached(score.log_prob, rec.upstream):
+    if rec.upstream and reached(score.log_prob, rec.upstream):
         raise NotImplementedError(
             f"guide site '{rec.name}': its density depends on earlier guide samples (a "
             "conditional guide), whose pathwise path the split cannot keep inside a program "
@@ -324,7 +323,7 @@ def check_auxiliary_links(batch: SplitBatch) -> None:
         score = rec.parts[2]
         if not (torch.is_tensor(score) and score.requires_grad):
             continue
-        for i in _reached(score, rec.upstream):
+        for i in reached(score, rec.upstream):
             w = aux.get(id(rec.upstream[i]))
             if w is not None:
                 raise ValueError(

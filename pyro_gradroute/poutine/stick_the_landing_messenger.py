@@ -12,7 +12,7 @@ from pyro.poutine.messenger import unwrap
 from torch.distributions import Distribution, kl_divergence, register_kl
 
 from .._compat import Subsample, calling_elbo
-from ..distributions.split import delta_base
+from ..distributions.detached import delta_base
 from .gated_distribution import GatedDistribution
 from .pathwise import (
     Conditional,
