@@ -446,9 +446,13 @@ class _Gate:
         self.sums = new if self.sums is None else self.sums.to(g.device).mul_(self.decay).add_(new)
         self.w1, self.w2 = self.decay * self.w1 + 1.0, self.decay**2 * self.w2 + 1.0
 
+    def known(self) -> bool:
+        """Whether the bound has its ``MIN_SAMPLES`` effective samples."""
+        return self.sums is not None and self.w1 * self.w1 >= self.MIN_SAMPLES * self.w2
+
     def bound(self) -> float:
         """:math:`B` (``inf`` until ``MIN_SAMPLES`` effective samples, or with no mean left)."""
-        if self.sums is None or self.w1 * self.w1 < self.MIN_SAMPLES * self.w2:
+        if not self.known():
             return math.inf
         sq, cross = self.sums.tolist()
         return sq / cross if cross > 0 else math.inf
@@ -581,6 +585,7 @@ class _AdaptiveMixin:
     _cv_first = True  # whether the control variate's pass runs before the base backward
     _routed = False  # whether the last measured step had block_grad routes
     _gate_count = 0  # direct steps since the gate last read one's gradient
+    _unnamed: str | None = None  # a joint state with a parameter outside the param store
 
     def _cv_grads(self, item, params, blocks, retain: bool) -> dict:
         """``{param: g_cv}`` of one trace pair (the control variate, in loss space)."""
@@ -970,7 +975,8 @@ class TraceAdaptiveSTL_ELBO(_AdaptiveMixin, TraceSTL_ELBO):
        \rangle`, two dot products a step). While :math:`B \le` ``mix_gain`` no step
        measures: far from the optimum, where the mean gradient dominates (Pyro's narrow
        initial scales), the estimator runs at ``Trace_ELBO``'s cost. The first step measures
-       (it names the parameters), and the gate reads :math:`B` after 3 effective samples;
+       (it names the parameters); until the gate has 3 effective samples, warm-up steps
+       (:math:`b = 1`) are ``Trace_ELBO``'s own steps, each feeding the gate;
     2. otherwise, until the policy settles (``warmup`` plus 5 measured steps), every step
        measures;
     3. once settled, while every weight is exactly 0 or 1, or the better endpoint's
@@ -1105,12 +1111,13 @@ class TraceAdaptiveSTL_ELBO(_AdaptiveMixin, TraceSTL_ELBO):
         gate, gain = self._gate, self._cv.mix_gain
         if end is not None and end != gate.e:
             gate.reset(end)
-        if (
-            gain is not None
-            and self._key is not None
-            and gate.bound() <= min(gain, self._SWITCH_GATE)
-        ):
-            return self._direct_step(gate.e, model, guide, args, kwargs)
+        if gain is not None and self._key is not None and self._unnamed != self._key:
+            if gate.bound() <= min(gain, self._SWITCH_GATE):
+                return self._direct_step(gate.e, model, guide, args, kwargs)
+            st = self._cv.state.get(self._key)
+            if not gate.known() and (st is None or st["n"] <= self._cv.warmup):
+                # in warm-up b = 1: Trace_ELBO's own step is that step, and it feeds the gate
+                return self._direct_step(1.0, model, guide, args, kwargs, every=1)
         if end is not None:
             self._unmeasured += 1
             if self._unmeasured < self._interval:
@@ -1131,18 +1138,27 @@ class TraceAdaptiveSTL_ELBO(_AdaptiveMixin, TraceSTL_ELBO):
     #: (two draws ``k`` steps apart are as independent as neighbours: the bound stays unbiased)
     _GATE_EVERY = 4
 
-    def _direct_step(self, end: float, model, guide, args, kwargs) -> float:
+    def _direct_step(self, end: float, model, guide, args, kwargs, every: int = 0) -> float:
         """One step of the endpoint ``end`` (1: Pyro's ``Trace_ELBO``, 0: STL); on one in
         ``_GATE_EVERY``, its gradient on the parameters of the last measured step goes into the
         gate's moments."""
-        self._gate_count = (self._gate_count + 1) % self._GATE_EVERY
+        self._gate_count = (self._gate_count + 1) % (every or self._GATE_EVERY)
         params = []
         if self._gate_count == 0:
             store = dict(pyro.get_param_store().named_parameters())
-            params = [store.get(n) for n, _ in self._cv.layouts.get(self._key, ())]
+            layout = self._cv.layouts.get(self._key, ())
+            params = [store.get(n) for n, _ in layout]
             if not params or any(p is None for p in params):
-                params = []  # a parameter the store no longer has: the gate starts again
+                # a parameter outside the param store (or no longer in it): direct steps cannot
+                # feed the gate, so it stays open for these parameters (steps measure)
+                self._unnamed, params = self._key, []
                 self._gate.reset(end)
+            elif any(tuple(p.shape) != shape for p, (_, shape) in zip(params, layout)):
+                # a new problem reusing the names: the policy starts again (the next step measures)
+                self._cv.state.pop(self._key, None)
+                self._cv.layouts.pop(self._key, None)
+                self._key, params = None, []
+                self._gate.reset(1.0)
         saved = [p.grad for p in params]
         for p in params:
             p.grad = None
