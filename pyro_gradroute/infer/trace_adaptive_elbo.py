@@ -1101,7 +1101,7 @@ class TraceAdaptiveSTL_ELBO(_AdaptiveMixin, TraceSTL_ELBO):
           ``mix_gain`` (:class:`_Gate`), no step measures: each takes the gate's endpoint
           (``Trace_ELBO`` first) directly;
         * while the policy says a whole estimator would do (``mix_gain``), a measured step
-          every 4, then 8, then 16 steps while the choice holds."""
+          every 4, then 8, 16 and 32 steps while the choice holds."""
         end, ratio = self._cv.settled(self._key) if self._key is not None else (None, 1.0)
         if end is None or end != self._last_end:
             self._unmeasured, self._interval = 0, self._MEASURE_EVERY
