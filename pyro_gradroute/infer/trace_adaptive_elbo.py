@@ -1112,7 +1112,7 @@ class TraceAdaptiveSTL_ELBO(_AdaptiveMixin, TraceSTL_ELBO):
         if end is not None and end != gate.e:
             gate.reset(end)
         if gain is not None and self._key is not None and self._unnamed != self._key:
-            if gate.bound() <= min(gain, self._SWITCH_GATE):
+            if gate.bound() <= (self._SWITCH_GATE if gain == math.inf else gain):
                 return self._direct_step(gate.e, model, guide, args, kwargs)
             st = self._cv.state.get(self._key)
             if not gate.known() and (st is None or st["n"] <= self._cv.warmup):

@@ -922,3 +922,17 @@ def test_mix_gain_bad_values():
         TraceAdaptiveSTL_ELBO(mix_gain=math.nan)
     with pytest.raises(ValueError, match="mix_gain"):
         TraceAdaptiveSTL_ELBO(mix_gain=0.9)
+
+
+@pytest.mark.parametrize("gain, quiet", [(3.0, True), (2.0, False), (math.inf, False)])
+def test_gate_threshold_is_mix_gain(gain, quiet):
+    """With a bound of 2.5, the gate takes the step directly for mix_gain 3 (no weights could gain
+    more than it), and measures for mix_gain 2 and for the switch (mix_gain=inf: threshold 2)."""
+    gm, guide = _exact_posterior_problem()
+    elbo = TraceAdaptiveSTL_ELBO(mix_gain=gain)
+    grads_on_seed(elbo, gm.model, guide, 0)  # the first step measures (it names the parameters)
+    elbo._gate.known, elbo._gate.bound = (lambda: True), (lambda: 2.5)
+    (st,) = elbo._cv.state.values()
+    n0 = st["n"]
+    grads_on_seed(elbo, gm.model, guide, 1)
+    assert (st["n"] == n0) == quiet
