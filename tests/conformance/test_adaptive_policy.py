@@ -15,6 +15,9 @@ for a frozen ``b`` the same-draw reference is ``(1 - b) * STL + b * Trace`` (Pyr
 * ``gate``: a step the gate takes directly (the applied gradients bound any weights' gain
   within ``mix_gain``) equals Pyro's ``Trace_ELBO`` / the STL reference on the same seed, at
   each endpoint, and measures nothing (the moments do not move);
+* ``switch``: ``mix_gain=math.inf`` (the measured switch), its gate held open so that it
+  measures: every step, warm-up, fresh phase and settled, is one whole estimator's gradient,
+  Pyro's ``Trace_ELBO``'s or the STL reference's, on the same seed;
 * ``zero``: at the exact posterior (where the guide family holds it) the default policy moves to
   STL after its warm-up, and the guide parameters' gradient is then zero to round-off.
 """
@@ -181,6 +184,24 @@ def check_gate(case):
     _check_endpoint_steps(case, 1, _quiet_gate, "gate's step")
 
 
+def check_switch(case):
+    with cell(case) as c:
+        if _probe(c, "Adaptive", c.model, c.guide, case.raise_for("Adaptive", False)):
+            return
+        rtol, atol = _tols(case.dtype)
+        elbo = _default(case, mix_gain=math.inf)
+        open_gate(elbo._gate)
+        for seed in range(12):  # past the warm-up (5) into the fresh phase (5) and beyond
+            g = _ours(c, elbo, 200 + seed)
+            refs = (
+                reference_grad(c, "Trace", 200 + seed, c.model, c.guide),
+                _stl_reference(c, case, 200 + seed),
+            )
+            assert any(torch.allclose(g, ref, rtol=rtol * 10, atol=atol * 10) for ref in refs), (
+                f"{case.name}: step {seed} of the switch is neither Trace_ELBO's nor STL's"
+            )
+
+
 def check_zero(case):
     with cell(case) as c:
         if _probe(c, "Adaptive", c.model, c.guide, case.raise_for("Adaptive", False)):
@@ -206,6 +227,7 @@ def _cells():
         if spec is not None and not spec.optional:
             continue  # the matrix's raises cells cover these
         out += [(case, "first"), (case, "frozen"), (case, "direct"), (case, "gate")]
+        out.append((case, "switch"))
         if case.build_has_exact:
             out.append((case, "zero"))
     return out
@@ -217,5 +239,5 @@ CELLS = _cells()
 @pytest.mark.parametrize("case, check", CELLS, ids=[f"{c.name}-{k}" for c, k in CELLS])
 def test_adaptive_policy(case, check):
     checks = {"first": check_first, "frozen": check_frozen, "direct": check_direct}
-    checks["gate"] = check_gate
+    checks["gate"], checks["switch"] = check_gate, check_switch
     {**checks, "zero": check_zero}[check](case)
