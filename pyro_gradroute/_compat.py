@@ -208,3 +208,12 @@ def module_attr(m, name: str):
 def sum_rightmost(x, dim: int):
     """Sum out the ``dim`` rightmost dimensions (torch's ``distributions.utils._sum_rightmost``)."""
     return _sum_rightmost(x, dim)
+
+
+def trace_elbo_particles(elbo, model, guide, args, kwargs):
+    """``(model_trace, guide_trace, loss, surrogate)`` for each particle of Pyro's
+    ``Trace_ELBO`` ``elbo``: what its ``loss_and_grads`` differentiates (its private
+    ``_get_traces`` and ``_differentiable_loss_particle``)."""
+    for model_trace, guide_trace in elbo._get_traces(model, guide, args, kwargs):
+        loss, surrogate = elbo._differentiable_loss_particle(model_trace, guide_trace)
+        yield model_trace, guide_trace, loss, surrogate

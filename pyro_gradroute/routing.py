@@ -42,7 +42,7 @@ from torch import nn
 
 from ._compat import tensor_backward_hooks, will_engine_execute
 
-__all__ = ["backward", "grad", "gate", "reachable_leaves"]
+__all__ = ["backward", "grad", "gate", "reachable_leaves", "taps"]
 
 BlockEntry = nn.Module | torch.Tensor | Mapping[str, torch.Tensor]
 Block = Mapping[Hashable, Iterable[BlockEntry] | Mapping[str, torch.Tensor]]
@@ -579,6 +579,60 @@ def gate(
     _skip_none_in_term_hooks(term)
     plan = _GatePlan(graph, allowed, blocked_nodes)
     return _Gate.apply(plan, term, *(p for p, _ in allowed))
+
+
+# ----------------------------------------------------------------------------- taps
+class taps:
+    r"""Add a known tensor to the gradient that reaches each of some tensors, and record it.
+
+    Inside the ``with`` block, a backward that reaches tensor :math:`t_i` with gradient
+    :math:`g_i` sends :math:`g_i + \delta_i` on from there instead (to the leaves below
+    :math:`t_i`); ``seen[i]`` is :math:`g_i`, the gradient before the addition (``None`` if
+    the backward did not reach :math:`t_i`). A tensor listed twice gets one hook that adds
+    both deltas, and both entries record the same :math:`g_i`. The hooks are removed on exit.
+
+    For a leaf :math:`t_i` this changes what accumulates into ``t.grad``; for a non-leaf,
+    what flows to the leaves it is computed from. The hook runs once the gradient at
+    :math:`t_i` is complete, whatever order the engine runs the nodes in.
+
+    Example::
+
+        >>> import torch
+        >>> w = torch.tensor(2.0, requires_grad=True)
+        >>> h = 3.0 * w
+        >>> with taps([(h, torch.tensor(1.0))]) as seen:
+        ...     (h * h).backward()
+        >>> seen[0].item(), w.grad.item()  # d(h^2)/dh = 2h = 12; (12 + 1) * 3
+        (12.0, 39.0)
+    """
+
+    def __init__(self, entries: Sequence[tuple[torch.Tensor, torch.Tensor | None]]):
+        self.entries = list(entries)
+        self.seen: list[torch.Tensor | None] = [None] * len(self.entries)
+        self._handles: list = []
+
+    def __enter__(self) -> list[torch.Tensor | None]:
+        by_tensor: dict[int, list[int]] = {}
+        for i, (t, _) in enumerate(self.entries):
+            by_tensor.setdefault(id(t), []).append(i)
+        for idx in by_tensor.values():
+            t = self.entries[idx[0]][0]
+            deltas = [self.entries[i][1] for i in idx if self.entries[i][1] is not None]
+
+            def hook(g, idx=idx, deltas=deltas):
+                for i in idx:
+                    self.seen[i] = g
+                for d in deltas:
+                    g = g + d
+                return g
+
+            self._handles.append(t.register_hook(hook))
+        return self.seen
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
 
 
 # ----------------------------------------------------------------------------- graph walks

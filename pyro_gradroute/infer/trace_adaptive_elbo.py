@@ -24,11 +24,14 @@ from pyro.util import warn_if_nan
 from torch.distributions import TransformedDistribution
 
 from .. import routing
-from ..distributions.detached import is_delta
-from ..poutine.pathwise import latent_site
+from .._compat import trace_elbo_particles
+from ..distributions.detached import delta_base, is_delta
+from ..distributions.normal import normal_score, plain_normal
+from ..poutine.pathwise import frontier, latent_site
 from ..poutine.split_distribution import SplitDistribution
 from ..poutine.stick_the_landing_messenger import uses_pathwise
-from .elbo import EXTRA, RoutedELBO, Terms
+from ..routing import reaches_leaf_directly
+from .elbo import EXTRA, RoutedELBO, Terms, _joint_blocks, collect_blocks
 from .trace_dreg_elbo import TraceDReG_ELBO
 from .trace_elbo import Trace_ELBO
 from .trace_stl_elbo import TraceSTL_ELBO
@@ -240,13 +243,37 @@ class _ControlVariate:
         st = self.state.get(key)
         if st is None or self.fixed_weight is not None or st["n"] <= self.warmup + self._FRESH:
             return None, 1.0  # not yet settled: every step measures
-        b = self.weight(key, st["scc"])
-        for v in (0.0, 1.0):
-            if bool((b == v).all()):
-                return v, 1.0  # the weights are the endpoint: the mix is that estimator
+        if not self._ready(st):
+            return 1.0, 1.0  # b = 1 (Trace_ELBO)
         fit = self._cached_fit(st, st["scc"])
-        ratio = fit.get("ratio")
-        return fit.get("direct"), 1.0 if ratio is None else ratio
+        out = fit.get("settled")
+        if out is None:  # once per fit
+            v = self._constant(fit)
+            ratio = fit.get("ratio")
+            if v is not None:
+                out = v, 1.0  # the weights are the endpoint: the mix is that estimator
+            else:
+                out = fit.get("direct"), 1.0 if ratio is None else ratio
+            fit["settled"] = out
+        return out
+
+    @staticmethod
+    def _constant(fit: dict) -> float | None:
+        """0.0 / 1.0 where every weight of the fit is exactly that endpoint, else ``None``."""
+        if "constant" not in fit:
+            b = fit["b"]
+            fit["constant"] = next((v for v in (0.0, 1.0) if bool((b == v).all())), None)
+        return fit["constant"]
+
+    def constant_weight(self, key: str) -> float | None:
+        """The weight every element of ``key`` takes next, where they all take the same
+        (``fixed_weight``, 1 during warm-up, an endpoint the fit sits at), else ``None``."""
+        if self.fixed_weight is not None:
+            return self.fixed_weight
+        st = self.state.get(key)
+        if not self._ready(st):
+            return 1.0
+        return self._constant(self._cached_fit(st, st["scc"]))
 
     # -- all of a step's parameters as one vector: one fit and one update per step ------
     _SEP = "\x1f"
@@ -562,6 +589,7 @@ class _AdaptiveMixin:
         schedule = {"key": self._key, "unmeasured": self._unmeasured}
         schedule.update(interval=self._interval, last_end=self._last_end)
         schedule.update(gate=self._gate.state_dict(), gate_count=self._gate_count)
+        schedule.update(one_pass=self._one_pass, gate_layout=self._gate_layout)
         return {**self._cv.state_dict(), "schedule": schedule}
 
     def load_state_dict(self, state: dict) -> None:
@@ -572,6 +600,7 @@ class _AdaptiveMixin:
         self._gate, self._gate_count = _Gate(self._cv.decay), sch.get("gate_count", 0)
         if "gate" in sch:
             self._gate.load_state_dict(sch["gate"])
+        self._one_pass, self._gate_layout = sch.get("one_pass"), sch.get("gate_layout")
 
     def reset(self) -> None:
         """Forget the moments (the next step is ``Trace_ELBO``'s / IWAE's, ``b = 1``)."""
@@ -580,12 +609,15 @@ class _AdaptiveMixin:
         self._key, self._unmeasured, self._last_end = None, 0, None
         self._gate.reset(1.0)
         self._gate_count = 0
+        self._one_pass, self._gate_layout = None, None
 
     # -- the step -------------------------------------------------------------------
     _cv_first = True  # whether the control variate's pass runs before the base backward
     _routed = False  # whether the last measured step had block_grad routes
     _gate_count = 0  # direct steps since the gate last read one's gradient
     _unnamed: str | None = None  # a joint state with a parameter outside the param store
+    _one_pass: bool | None = None  # whether measured steps take one backward (None: not known)
+    _gate_layout: list | None = None  # the one-pass steps' guide parameters [(name, shape)]
 
     def _cv_grads(self, item, params, blocks, retain: bool) -> dict:
         """``{param: g_cv}`` of one trace pair (the control variate, in loss space)."""
@@ -797,6 +829,57 @@ def _score_tensor(site):
     if not score.requires_grad:
         return None
     return scaled(site, score), fn.batch.group
+
+
+def _one_pass_sites(guide_trace) -> list[tuple] | None:
+    """``[(name, normal, event_ndims)]`` of the guide sites whose score part a one-pass step
+    reads at their ``Normal``'s parameters, or ``None`` where the guide needs the general step.
+
+    Every latent guide site must be reparameterized, and each that takes the pathwise gradient
+    (:func:`uses_pathwise`) a plain ``Normal`` (:func:`plain_normal`) whose ``loc`` and
+    ``scale`` read no earlier sample, drawn by that ``Normal`` (its value carries the
+    parameters' graph), outside a subsampled plate (an element of the moments is then the
+    same parameter on every step); or a ``Delta`` whose density and value reach the
+    parameters only through earlier samples (no score part).
+    """
+    out, nodes = [], {}
+    for name, site in guide_trace.nodes.items():
+        if site["type"] != "sample" or site["is_observed"]:
+            continue
+        if not latent_site(site):
+            return None
+        fn, value = site["fn"], site["value"]
+        d = delta_base(fn)
+        if d is not None:
+            ld = d.log_density
+            if (
+                torch.is_tensor(ld)
+                and ld.requires_grad
+                and reaches_leaf_directly(ld, stop_nodes=nodes)
+            ):
+                return None
+            if site["infer"].get("is_auxiliary") and torch.is_tensor(value) and value.requires_grad:
+                if reaches_leaf_directly(value, stop_nodes=nodes):
+                    return None
+        elif not getattr(fn, "has_rsample", False):
+            return None  # a score-function site: the general step
+        elif uses_pathwise(site):
+            base, nd = plain_normal(fn)
+            if base is None:
+                return None
+            ps = [t for t in (base.loc, base.scale) if t.requires_grad]
+            if ps:
+                if not (torch.is_tensor(value) and value.requires_grad) or frontier(ps, nodes):
+                    return None
+                if any(
+                    f.full_size is not None and f.full_size != f.size
+                    for f in site["cond_indep_stack"]
+                ):
+                    return None
+                out.append((name, base, nd))
+        if torch.is_tensor(value) and value.grad_fn is not None:
+            nodes[value.grad_fn] = len(nodes)
+    return out
 
 
 def _transformed(fn) -> bool:
@@ -1106,8 +1189,10 @@ class TraceAdaptiveSTL_ELBO(_AdaptiveMixin, TraceSTL_ELBO):
         if end is None or end != self._last_end:
             self._unmeasured, self._interval = 0, self._MEASURE_EVERY
         self._last_end = end
-        if _world(self._distributed) > 1 or self._cv.fixed_weight is not None:
+        if _world(self._distributed) > 1:
             return super().loss_and_grads(model, guide, *args, **kwargs)
+        if self._cv.fixed_weight is not None:
+            return self._measured_step(model, guide, args, kwargs)
         gate, gain = self._gate, self._cv.mix_gain
         if end is not None and end != gate.e:
             gate.reset(end)
@@ -1128,7 +1213,19 @@ class TraceAdaptiveSTL_ELBO(_AdaptiveMixin, TraceSTL_ELBO):
             self._interval = (
                 min(2 * self._interval, self._MEASURE_MAX) if calm else self._MEASURE_EVERY
             )
-        return super().loss_and_grads(model, guide, *args, **kwargs)
+        return self._measured_step(model, guide, args, kwargs)
+
+    def _measured_step(self, model, guide, args, kwargs) -> float:
+        """A step that forms both parts: in one pass where an earlier measured step found the
+        guide allows it (:meth:`_one_pass_step`), else with the parts' second backward (which
+        also finds whether the guide allows one pass)."""
+        if self._one_pass and not self.vectorize_particles:
+            return self._one_pass_step(model, guide, args, kwargs)
+        self._gate_layout, self._qualifies = None, True
+        loss = super().loss_and_grads(model, guide, *args, **kwargs)
+        if self._one_pass is None and self._key is not None:
+            self._one_pass = self._qualifies and not self._routed
+        return loss
 
     #: the gate's threshold with ``mix_gain=inf`` (a switch between the whole estimators: the
     #: parts are measured once the other endpoint could gain this much)
@@ -1146,7 +1243,7 @@ class TraceAdaptiveSTL_ELBO(_AdaptiveMixin, TraceSTL_ELBO):
         params = []
         if self._gate_count == 0:
             store = dict(pyro.get_param_store().named_parameters())
-            layout = self._cv.layouts.get(self._key, ())
+            layout = self._gate_layout or self._cv.layouts.get(self._key, ())
             params = [store.get(n) for n, _ in layout]
             if not params or any(p is None for p in params):
                 # a parameter outside the param store (or no longer in it): direct steps cannot
@@ -1184,7 +1281,126 @@ class TraceAdaptiveSTL_ELBO(_AdaptiveMixin, TraceSTL_ELBO):
 
     _scores = True  # False during a direct step: no score parts are formed
 
-    def _particle_terms(self, model_trace, guide_trace, blocks=None) -> tuple[float, Terms]:
+    def _one_pass_step(self, model, guide, args, kwargs) -> float:
+        r"""A measured step in one backward: Pyro's ``Trace_ELBO`` step, with both parts read and
+        the weights applied at the guide sites' ``Normal`` parameters.
+
+        Where every guide site with a score part is a plain ``Normal`` whose ``loc`` and
+        ``scale`` read no earlier sample (:func:`_one_pass_sites`), the backward of
+        ``Trace_ELBO``'s surrogate reaches each site's :math:`\theta = (\mu, \sigma)` with
+        :math:`t = p + c`: :math:`c` the score part there, in closed form
+        (:func:`~pyro_gradroute.distributions.normal.normal_score`), :math:`p` the pathwise
+        part. A hook (:class:`~pyro_gradroute.routing.taps`) sends :math:`t + (b - 1) c = p + b
+        c` on to the parameters, and records :math:`t`: the step's gradient is
+        :math:`g_\text{path} + J^\top (b \odot c)`, :math:`J` the Jacobian of
+        :math:`\theta` in the parameters, which reads no sample. So :math:`b` weighs each
+        element of :math:`\theta`; with :math:`b` from earlier steps, :math:`\mathbb E[c] = 0`
+        keeps the step unbiased, :math:`b = 1` is ``Trace_ELBO``'s step and :math:`b = 0`
+        STL's. The moments are kept per element of :math:`\theta`, under the names
+        ``"<site>.loc"`` and ``"<site>.scale"``. Where the guide does not qualify (found on
+        this step's trace), the step is ``Trace_ELBO``'s (:math:`b = 1`, nothing measured)
+        and later measured steps take the general path."""
+        trace = self._trace
+        trace.max_plate_nesting = self.max_plate_nesting
+        n = self.num_particles
+        loss, ok, keys, bs, feed, routed, const = 0.0, True, None, None, False, False, 1.0
+        acc: dict[str, list] = {}
+        params: dict[str, torch.Tensor] = {}
+        saved: dict[torch.Tensor, torch.Tensor | None] = {}
+        for model_trace, guide_trace, loss_p, surrogate in trace_elbo_particles(
+            trace, model, guide, args, kwargs
+        ):
+            self._refuse_enumeration(model_trace, guide_trace)
+            loss += loss_p / n
+            blocks = collect_blocks(model_trace, guide_trace)
+            routed = routed or bool(blocks)
+            sites = _one_pass_sites(guide_trace) if ok and not blocks else None
+            ok = sites is not None
+            entries, parts = [], []
+            if ok:
+                for name, base, nd in sites:
+                    site = guide_trace.nodes[name]
+                    for part, t, c in normal_score(
+                        base, nd, site["value"], site["scale"], site["mask"]
+                    ):
+                        parts.append((f"{name}.{part}", t, c / n if n > 1 else c))
+                parts.sort(key=lambda x: x[0])
+                names = [k for k, _, _ in parts]
+                if keys is None:
+                    keys = names
+                    key = self._cv._SEP.join(keys)
+                    # a step at the gate's endpoint: its gradient feeds the gate
+                    const = self._cv.constant_weight(key) if key in self._cv.state else 1.0
+                    feed = self._cv.mix_gain is not None and const == self._gate.e
+                    if const != 1.0:
+                        bs = self._cv.weight_many(keys, [c for _, _, c in parts]) if keys else []
+                ok = names == keys
+            if ok:
+                if const == 1.0:  # Trace_ELBO's step: the hooks only read the gradient
+                    entries = [(t, None) for _, t, _ in parts]
+                else:
+                    entries = [(t, (b - 1) * c) for (_, t, c), b in zip(parts, bs)]
+                for p in _trace_params(guide_trace):
+                    if _param_key(p) not in params:
+                        params[_param_key(p)] = p
+                        saved[p] = p.grad  # the step's own gradient, for the gate
+                        p.grad = None
+            if not getattr(surrogate, "requires_grad", False) or not any(
+                site["type"] == "param"
+                for tr in (model_trace, guide_trace)
+                for site in tr.nodes.values()
+            ):
+                continue
+            if blocks:  # this package's routed Trace_ELBO on these traces
+                _, terms = self._routed_trace._particle_terms(model_trace, guide_trace, blocks)
+                blocks = _joint_blocks(terms, blocks)
+                terms = {
+                    k: -v / n for k, v in terms.items() if torch.is_tensor(v) and v.requires_grad
+                }
+                routing.backward(terms, block=blocks, retain_graph=trace.retain_graph, strict=False)
+                continue
+            with routing.taps(entries) as seen:
+                (surrogate / n).backward(retain_graph=trace.retain_graph)
+            if ok and entries:
+                if any(g is None for g in seen):
+                    ok = False
+                    continue
+                for (k, _, c), g in zip(parts, seen):
+                    a = acc.get(k)
+                    if a is None:
+                        acc[k] = [g - c, c]
+                    else:
+                        a[0], a[1] = a[0] + (g - c), a[1] + c
+        self._routed = routed
+        measured = ok and keys and len(acc) == len(keys)
+        if measured:
+            if self._key is not None and self._key != self._cv._SEP.join(keys):
+                self._cv.state.pop(self._key, None)  # the general path's state (a first step)
+                self._cv.layouts.pop(self._key, None)
+            self._cv.update_many(keys, [acc[k][0] for k in keys], [acc[k][1] for k in keys])
+            self._key = self._cv._SEP.join(keys)
+            self._gate_layout = [(k, tuple(params[k].shape)) for k in sorted(params)]
+            if feed and params:
+                zero = torch.zeros_like
+                g = [params[k].grad for k in sorted(params)]
+                self._gate.update(
+                    torch.cat(
+                        [
+                            (zero(p) if x is None else x).reshape(-1)
+                            for p, x in zip((params[k] for k in sorted(params)), g)
+                        ]
+                    )
+                )
+        for p, old in saved.items():  # add back what .grad held before the step
+            if old is not None:
+                p.grad = old if p.grad is None else old.add_(p.grad)
+        if not ok:
+            self._one_pass = False  # later measured steps: the general path
+        elif measured:
+            self._one_pass = True
+        return loss
+
+    def _refuse_enumeration(self, model_trace, guide_trace) -> None:
         for name, site in model_trace.nodes.items():
             if (
                 site["type"] == "sample"
@@ -1199,6 +1415,13 @@ class TraceAdaptiveSTL_ELBO(_AdaptiveMixin, TraceSTL_ELBO):
                     "pyro_gradroute.poutine.stick_the_landing (trace_steps=N to start at "
                     "Trace_ELBO), or remove the enumeration mark"
                 )
+
+    _qualifies = False  # whether the general step's traces allow one-pass steps
+
+    def _particle_terms(self, model_trace, guide_trace, blocks=None) -> tuple[float, Terms]:
+        self._refuse_enumeration(model_trace, guide_trace)
+        if self._qualifies and (blocks or _one_pass_sites(guide_trace) is None):
+            self._qualifies = False
         elbo, terms = super()._particle_terms(model_trace, guide_trace, blocks)
         if self._scores and torch.is_grad_enabled():
             scores = []
