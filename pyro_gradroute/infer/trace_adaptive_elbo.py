@@ -1330,7 +1330,7 @@ class TraceAdaptiveSTL_ELBO(_AdaptiveMixin, TraceSTL_ELBO):
                     keys = names
                     key = self._cv._SEP.join(keys)
                     # a step at the gate's endpoint: its gradient feeds the gate
-                    const = self._cv.constant_weight(key) if key in self._cv.state else 1.0
+                    const = self._cv.constant_weight(key)
                     feed = self._cv.mix_gain is not None and const == self._gate.e
                     if const != 1.0:
                         bs = self._cv.weight_many(keys, [c for _, _, c in parts]) if keys else []

@@ -8,7 +8,10 @@ for a frozen ``b`` the same-draw reference is ``(1 - b) * STL + b * Trace`` (Pyr
 * ``first``: a fresh default estimator's first step equals Pyro's ``Trace_ELBO`` on the same seed
   (the policy starts at ``b = 1``);
 * ``frozen``: with ``b`` frozen at -0.5 and at 2 the gradient equals the same-draw reference
-  above (so the mean gradient is ``Trace_ELBO``'s for any frozen ``b``);
+  above (so the mean gradient is ``Trace_ELBO``'s for any frozen ``b``). The first step forms
+  the parts with a second backward; the second, on the cases in :data:`ONE_PASS` (every
+  score-bearing guide site a plain ``Normal`` whose parameters read no sample), in one
+  backward (hooks at the ``Normal``'s parameters): the cell also checks which path it took;
 * ``direct``: a direct step (the policy predicts the better endpoint is within ``mix_gain`` of
   the mixed weights) equals Pyro's ``Trace_ELBO`` / the STL reference on the same seed, for a
   forced choice of each endpoint;
@@ -46,6 +49,22 @@ from .checks import (
 )
 
 WARMUP = 18  # steps before the default policy settles: the gate's first samples, 5 + 5 measured
+
+#: the cases whose measured steps (after the first) take one backward
+ONE_PASS = {
+    "AutoNormal",
+    "AutoDiagonalNormal",
+    "AutoGuideList",
+    "chain1",
+    "amortized",
+    "nested_plates",
+    "scale_tensor",
+    "mask",
+    "obs_mask",
+    "LocScaleReparam",
+    "TransformReparam",
+    "sigmoid_tail_AutoNormal",
+}
 
 
 def _default(case, **kw):
@@ -111,6 +130,9 @@ def check_frozen(case):
                         f"{case.name}: b frozen at {b} != (1 - b) STL + b Trace (seed {seed})\n{m}"
                     ),
                 )
+            assert bool(elbo._one_pass) == (case.name in ONE_PASS), (
+                f"{case.name}: measured steps in one pass: {elbo._one_pass}"
+            )
 
 
 def _assert_endpoint_step(c, case, g, end, what):

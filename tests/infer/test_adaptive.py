@@ -947,3 +947,127 @@ def test_gate_threshold_is_mix_gain(gain, quiet):
     grads_on_seed(elbo, gm.model, guide, 0)  # the first step measures (it names the parameters)
     elbo._gate.known, elbo._gate.bound = (lambda: True), (lambda: 2.5)
     assert (not _measured(elbo, lambda: grads_on_seed(elbo, gm.model, guide, 1))) == quiet
+
+
+# ------------------------------------------------------------------ measured steps in one backward
+def _mean_field_guide(x):
+    loc = pyro.param("q_loc", torch.tensor([0.3, -0.2]))
+    sc = pyro.param("q_sc", torch.tensor([0.7, 1.3]), constraint=constraints.positive)
+    mu = pyro.sample("mu", dist.Normal(loc, sc).to_event(1))
+    return mu
+
+
+def _mean_field_model(x):
+    mu = pyro.sample("mu", dist.Normal(torch.zeros(2), 1.0).to_event(1))
+    with pyro.plate("data", len(x)):
+        pyro.sample("x", dist.Normal(mu.sum(-1), 0.5), obs=x)
+
+
+def _one_pass_after_first(elbo, model, guide, *args):
+    grads_on_seed(elbo, model, guide, 11, *args)  # the first step: the general path, which
+    return elbo._one_pass  # finds whether the guide allows one pass
+
+
+def test_one_pass_step_equals_the_elementwise_mix_of_pyro_trace_and_stl():
+    """Per-element weights on the one-pass path: the gradient is, element by element,
+    (1 - b) STL + b Trace_ELBO on the same seed (the guide's loc and scale are elementwise in
+    its parameters, so a weight at the Normal's loc/scale is the weight of that parameter
+    element), and the moments move."""
+    _mean_field_guide(X)
+    elbo = TraceAdaptiveSTL_ELBO(mix_gain=None)
+    assert _one_pass_after_first(elbo, _mean_field_model, _mean_field_guide, X) is True
+    grads_on_seed(elbo, _mean_field_model, _mean_field_guide, 12, X)  # the one-pass state
+    (key,) = elbo._cv.state
+    assert key.split(elbo._cv._SEP) == ["mu.loc", "mu.scale"]
+    b = torch.tensor([-0.5, 0.25, 2.0, 0.8])  # mu.loc (2), mu.scale (2)
+    st = elbo._cv.state[key]
+    st["n"], st["qw"] = 10**6, 1.0
+    fit = dict(elbo._cv._fit(st), b=b)
+    st["fit"], st["age"] = fit, -(10**6)
+    n0 = st["n"]
+    ours = grads_on_seed(elbo, _mean_field_model, _mean_field_guide, 13, X)
+    assert st["n"] == n0 + 1
+    trace = grads_on_seed(PyroTrace_ELBO(), _mean_field_model, _mean_field_guide, 13, X)
+    stl = grads_on_seed(TraceSTL_ELBO(), _mean_field_model, _mean_field_guide, 13, X)
+    for name, w in (("q_loc", b[:2]), ("q_sc", b[2:])):
+        torch.testing.assert_close(ours[name], (1 - w) * stl[name] + w * trace[name])
+    assert not torch.allclose(trace["q_sc"], stl["q_sc"])  # the weights matter here
+
+
+@pytest.mark.parametrize("b", [0.0, 1.0, -0.5])
+def test_one_pass_parts_equal_the_two_pass_parts(b):
+    """The one-pass step's parts (read at the Normal's parameters) are the two-pass ones on the
+    same seed: with b frozen, the moments are those of STL's gradient and of Trace_ELBO's
+    minus STL's."""
+    _mean_field_guide(X)
+    elbo = TraceAdaptiveSTL_ELBO(fixed_weight=b)
+    assert _one_pass_after_first(elbo, _mean_field_model, _mean_field_guide, X) is True
+    elbo._cv.state.clear()
+    ours = grads_on_seed(elbo, _mean_field_model, _mean_field_guide, 21, X)
+    (st,) = elbo._cv.state.values()
+    trace = grads_on_seed(PyroTrace_ELBO(), _mean_field_model, _mean_field_guide, 21, X)
+    stl = grads_on_seed(TraceSTL_ELBO(), _mean_field_model, _mean_field_guide, 21, X)
+    # scale = exp(raw): the parts at the Normal's scale are the parameter's over d scale/d raw
+    dsc = pyro.param("q_sc").detach()
+    path = torch.cat([stl["q_loc"], stl["q_sc"] / dsc])
+    score = torch.cat([trace["q_loc"] - stl["q_loc"], (trace["q_sc"] - stl["q_sc"]) / dsc])
+    torch.testing.assert_close(st["sp"], path, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(st["sc"], score, rtol=1e-5, atol=1e-5)
+    for k in ours:
+        torch.testing.assert_close(ours[k], (1 - b) * stl[k] + b * trace[k])
+
+
+def _lognormal_guide(x):
+    loc = pyro.param("q_loc", torch.tensor([0.3, -0.2]))
+    sc = pyro.param("q_sc", torch.tensor([0.7, 1.3]), constraint=constraints.positive)
+    pyro.sample("mu", dist.LogNormal(loc, sc).to_event(1))
+
+
+def test_one_pass_only_where_the_guide_allows_it():
+    """Conditional sites, other families and block_grad routes keep the general step."""
+    _mean_field_guide(X)
+    for model, guide, expected in [
+        (_mean_field_model, _mean_field_guide, True),
+        (conditional_model, conditional_guide, False),  # z's loc reads mu
+        (_mean_field_model, _lognormal_guide, False),  # not a Normal
+        (conditional_model, block_grad(conditional_guide, sites=["z"], params=["a"]), False),
+    ]:
+        pyro.clear_param_store()
+        elbo = TraceAdaptiveSTL_ELBO(max_plate_nesting=1)
+        assert _one_pass_after_first(elbo, model, guide, X) is expected, guide
+
+
+def test_one_pass_falls_back_to_trace_elbo_where_a_later_trace_does_not_qualify():
+    """A guide whose family changes after the path was chosen: that step is Pyro's Trace_ELBO
+    on the same seed (b = 1, nothing measured), and later measured steps take the general path;
+    a block_grad route that appears later is the routed Trace_ELBO's step."""
+    flag = {"lognormal": False}
+
+    def guide(x):
+        if flag["lognormal"]:
+            _lognormal_guide(x)
+        else:
+            _mean_field_guide(x)
+
+    _mean_field_guide(X)
+    elbo = TraceAdaptiveSTL_ELBO(fixed_weight=0.0)
+    assert _one_pass_after_first(elbo, _mean_field_model, guide, X) is True
+    flag["lognormal"] = True
+    before = {k: st["n"] for k, st in elbo._cv.state.items()}
+    ours = grads_on_seed(elbo, _mean_field_model, guide, 31, X)
+    assert {k: st["n"] for k, st in elbo._cv.state.items()} == before
+    assert_same(ours, grads_on_seed(PyroTrace_ELBO(), _mean_field_model, guide, 31, X))
+    assert elbo._one_pass is False
+    # a route that appears after the one-pass path was chosen
+    pyro.clear_param_store()
+    conditional_guide(X)
+    elbo = TraceAdaptiveSTL_ELBO(max_plate_nesting=1)
+    elbo._one_pass = True
+    routed = block_grad(conditional_model, sites=["x"], params=["a"])
+    ours = grads_on_seed(elbo, routed, conditional_guide, 32, X)
+    ref = grads_on_seed(Trace_ELBO(max_plate_nesting=1), routed, conditional_guide, 32, X)
+    assert_same(ours, ref)
+    unrouted = grads_on_seed(
+        Trace_ELBO(max_plate_nesting=1), conditional_model, conditional_guide, 32, X
+    )
+    assert not torch.allclose(ours["a"], unrouted["a"])
