@@ -671,6 +671,35 @@ def reached_nodes(tensors: Sequence[torch.Tensor], targets: dict) -> list[int]:
     return sorted(hit)
 
 
+#: autograd nodes of matrix products (a network layer: its output elements mix its inputs)
+_PRODUCTS = ("MmBackward", "AddmmBackward", "BmmBackward", "BaddbmmBackward", "MvBackward",
+             "AddmvBackward", "DotBackward", "ConvolutionBackward", "LinearBackward")  # fmt: skip
+
+
+def passes_product(tensors: Sequence[torch.Tensor], stop_nodes=()) -> bool:
+    """Whether the tensors' graphs hold a matrix product (a layer of a network, as in an
+    amortized guide's encoder) above the ``stop_nodes``.
+
+    Example::
+
+        >>> import torch
+        >>> w = torch.ones(2, 3, requires_grad=True)
+        >>> passes_product([w.exp() + 1]), passes_product([torch.ones(4, 2) @ w])
+        (False, True)
+    """
+    stack = [t.grad_fn for t in tensors if t.grad_fn is not None]
+    seen = set(stack)
+    while stack:
+        node = stack.pop()
+        if type(node).__name__.startswith(_PRODUCTS):
+            return True
+        for f, _ in node.next_functions:
+            if f is not None and f not in seen and f not in stop_nodes:
+                seen.add(f)
+                stack.append(f)
+    return False
+
+
 def _accumulate_type() -> type:
     """The class of the autograd node that accumulates into a leaf (``next_functions`` of its use)."""
     leaf = torch.zeros((), requires_grad=True)

@@ -30,7 +30,7 @@ from ..distributions.normal import normal_score, plain_normal
 from ..poutine.pathwise import frontier, latent_site
 from ..poutine.split_distribution import SplitDistribution
 from ..poutine.stick_the_landing_messenger import uses_pathwise
-from ..routing import reaches_leaf_directly
+from ..routing import passes_product, reaches_leaf_directly
 from .elbo import EXTRA, RoutedELBO, Terms, _joint_blocks, collect_blocks
 from .trace_dreg_elbo import TraceDReG_ELBO
 from .trace_elbo import Trace_ELBO
@@ -871,6 +871,8 @@ def _one_pass_sites(guide_trace) -> list[tuple] | None:
             if ps:
                 if not (torch.is_tensor(value) and value.requires_grad) or frontier(ps, nodes):
                     return None
+                if passes_product(ps, nodes):
+                    return None  # amortized: moments per network weight, as minibatches change
                 if any(
                     f.full_size is not None and f.full_size != f.size
                     for f in site["cond_indep_stack"]

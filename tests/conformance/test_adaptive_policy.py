@@ -56,7 +56,6 @@ ONE_PASS = {
     "AutoDiagonalNormal",
     "AutoGuideList",
     "chain1",
-    "amortized",
     "nested_plates",
     "scale_tensor",
     "mask",

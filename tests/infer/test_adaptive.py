@@ -1023,6 +1023,12 @@ def _lognormal_guide(x):
     pyro.sample("mu", dist.LogNormal(loc, sc).to_event(1))
 
 
+def _encoder_guide(x):
+    w = pyro.param("enc_w", torch.full((len(x), 4), 0.1))
+    h = x @ w  # an encoder layer: each output mixes every input
+    pyro.sample("mu", dist.Normal(h[:2], h[2:].exp()).to_event(1))
+
+
 def test_one_pass_only_where_the_guide_allows_it():
     """Conditional sites, other families and block_grad routes keep the general step."""
     _mean_field_guide(X)
@@ -1031,6 +1037,7 @@ def test_one_pass_only_where_the_guide_allows_it():
         (conditional_model, conditional_guide, False),  # z's loc reads mu
         (_mean_field_model, _lognormal_guide, False),  # not a Normal
         (conditional_model, block_grad(conditional_guide, sites=["z"], params=["a"]), False),
+        (_mean_field_model, _encoder_guide, False),  # amortized: loc from a network layer
     ]:
         pyro.clear_param_store()
         elbo = TraceAdaptiveSTL_ELBO(max_plate_nesting=1)
