@@ -580,7 +580,9 @@ class _AdaptiveMixin:
         return self._cv.clip
 
     def control_variate_weights(self) -> dict[str, torch.Tensor]:
-        """``{param name: b}`` (the weights the next step applies; ones during warm-up)."""
+        """``{name: b}`` (the weights the next step applies; ones during warm-up): by
+        param-store name, or by guide site (``"<site>.loc"``, ``"<site>.scale"``) where measured
+        steps take one pass."""
         return self._cv.weights()
 
     def state_dict(self) -> dict:
@@ -1045,7 +1047,16 @@ class TraceAdaptiveSTL_ELBO(_AdaptiveMixin, TraceSTL_ELBO):
     ``center``) of each guide parameter's size, kept as one joint state for the step's
     parameters (one fit and one update per step; the fit recomputed every 4 steps after
     the first 5 past warm-up). It costs about 1.3-1.45 ``Trace_ELBO`` steps on small
-    models. A *direct* step takes one endpoint's gradient with one backward and no score
+    models. **One pass where the guide allows it:** where every guide site with a score
+    part is a plain ``Normal`` (``Independent`` and ``expand`` of one) whose ``loc`` and
+    ``scale`` read no earlier sample, lie in no subsampled plate and come from no matrix
+    product (``AutoNormal``, ``AutoDiagonalNormal``, hand-written mean-field guides; not an
+    amortized encoder), measured steps after the first are Pyro's ``Trace_ELBO`` step with
+    hooks at each site's ``loc`` and ``scale`` (:meth:`_one_pass_step`): the score part there
+    is closed-form, so the second backward is not needed, and the moments are kept per
+    element of those tensors, named ``"<site>.loc"`` and ``"<site>.scale"``. Such a step costs
+    about 1.1-1.2 ``Trace_ELBO`` steps on small models (the moments' own arithmetic). A
+    *direct* step takes one endpoint's gradient with one backward and no score
     part: ``Trace_ELBO``'s is Pyro's own :class:`pyro.infer.Trace_ELBO` step (its cost
     exactly; this package's routed :class:`Trace_ELBO` where the last measured step had
     ``block_grad`` routes), STL's is :class:`TraceSTL_ELBO`'s. In one process,
@@ -1087,7 +1098,10 @@ class TraceAdaptiveSTL_ELBO(_AdaptiveMixin, TraceSTL_ELBO):
     as under :class:`TraceSTL_ELBO`. ``block_grad`` routes apply to both parts: a guide
     site blocked from a parameter sends it neither its pathwise nor its score part.
     Parameters are identified by their param-store name (``control_variate_weights()``,
-    ``state_dict()``).
+    ``state_dict()``); on the one-pass path, the weights belong to the guide sites' ``Normal``
+    parameters (``"<site>.loc"``, ``"<site>.scale"``): for a guide whose ``loc`` and ``scale``
+    are elementwise functions of its parameters (``AutoNormal``: the location itself and a
+    softplus of the scale parameter) that is the same weight, element by element.
 
     **Distributed.** With an initialized ``torch.distributed`` group of more than one
     process (``distributed=None``: detected; ``True``: required; ``False``: never), the

@@ -968,30 +968,36 @@ def _one_pass_after_first(elbo, model, guide, *args):
     return elbo._one_pass  # finds whether the guide allows one pass
 
 
-def test_one_pass_step_equals_the_elementwise_mix_of_pyro_trace_and_stl():
+@pytest.mark.parametrize("auto", [False, True], ids=["hand-written", "AutoNormal"])
+def test_one_pass_step_equals_the_elementwise_mix_of_pyro_trace_and_stl(auto):
     """Per-element weights on the one-pass path: the gradient is, element by element,
     (1 - b) STL + b Trace_ELBO on the same seed (the guide's loc and scale are elementwise in
     its parameters, so a weight at the Normal's loc/scale is the weight of that parameter
     element), and the moments move."""
-    _mean_field_guide(X)
+    from pyro.infer.autoguide import AutoNormal
+
+    guide = AutoNormal(_mean_field_model) if auto else _mean_field_guide
+    guide(X)
+    names = ("AutoNormal.locs.mu", "AutoNormal.scales.mu") if auto else ("q_loc", "q_sc")
     elbo = TraceAdaptiveSTL_ELBO(mix_gain=None)
-    assert _one_pass_after_first(elbo, _mean_field_model, _mean_field_guide, X) is True
-    grads_on_seed(elbo, _mean_field_model, _mean_field_guide, 12, X)  # the one-pass state
+    assert _one_pass_after_first(elbo, _mean_field_model, guide, X) is True
+    grads_on_seed(elbo, _mean_field_model, guide, 12, X)  # the one-pass state
     (key,) = elbo._cv.state
-    assert key.split(elbo._cv._SEP) == ["mu.loc", "mu.scale"]
+    site = "mu_unconstrained" if auto else "mu"  # AutoNormal's draw, before its Delta
+    assert key.split(elbo._cv._SEP) == [f"{site}.loc", f"{site}.scale"]
     b = torch.tensor([-0.5, 0.25, 2.0, 0.8])  # mu.loc (2), mu.scale (2)
     st = elbo._cv.state[key]
     st["n"], st["qw"] = 10**6, 1.0
     fit = dict(elbo._cv._fit(st), b=b)
     st["fit"], st["age"] = fit, -(10**6)
     n0 = st["n"]
-    ours = grads_on_seed(elbo, _mean_field_model, _mean_field_guide, 13, X)
+    ours = grads_on_seed(elbo, _mean_field_model, guide, 13, X)
     assert st["n"] == n0 + 1
-    trace = grads_on_seed(PyroTrace_ELBO(), _mean_field_model, _mean_field_guide, 13, X)
-    stl = grads_on_seed(TraceSTL_ELBO(), _mean_field_model, _mean_field_guide, 13, X)
-    for name, w in (("q_loc", b[:2]), ("q_sc", b[2:])):
+    trace = grads_on_seed(PyroTrace_ELBO(), _mean_field_model, guide, 13, X)
+    stl = grads_on_seed(TraceSTL_ELBO(), _mean_field_model, guide, 13, X)
+    for name, w in zip(names, (b[:2], b[2:])):
         torch.testing.assert_close(ours[name], (1 - w) * stl[name] + w * trace[name])
-    assert not torch.allclose(trace["q_sc"], stl["q_sc"])  # the weights matter here
+    assert not torch.allclose(trace[names[1]], stl[names[1]])  # the weights matter here
 
 
 @pytest.mark.parametrize("b", [0.0, 1.0, -0.5])
