@@ -32,7 +32,8 @@ Estimators (a registry: one line each): ``trace`` (Pyro's ``Trace_ELBO``; ``Trac
 for the mixture), ``stl`` (``TraceSTL_ELBO``; for the mixture Pyro's ``TraceEnum_ELBO`` with
 the guide under ``stick_the_landing``), ``trace->stl`` (``TraceSTL_ELBO(trace_steps=N)``
 with N 30% of the steps: ``Trace_ELBO``'s gradient first, then STL), ``adaptive``
-(``TraceAdaptiveSTL_ELBO()`` with its defaults), ``switch`` (the measured switch:
+(``TraceAdaptiveSTL_ELBO()`` with its defaults; for the mixture ``TraceEnumAdaptiveSTL_ELBO``,
+the same estimator over ``TraceEnum_ELBO``), ``switch`` (the measured switch:
 ``TraceAdaptiveSTL_ELBO(mix_gain=math.inf)``, ``Trace_ELBO`` first, STL once its measured second
 moment is the lower, never a mix), and for the VAE ``iwae`` (Pyro's
 ``RenyiELBO(alpha=0, num_particles=8)``) and ``dreg`` (``TraceDReG_ELBO(num_particles=8)``).
@@ -85,7 +86,12 @@ from pyro import poutine
 from pyro.infer import SVI, RenyiELBO, Trace_ELBO, TraceEnum_ELBO, config_enumerate
 from pyro.infer.autoguide import AutoDiagonalNormal, AutoNormal
 
-from pyro_gradroute.infer import TraceAdaptiveSTL_ELBO, TraceDReG_ELBO, TraceSTL_ELBO
+from pyro_gradroute.infer import (
+    TraceAdaptiveSTL_ELBO,
+    TraceDReG_ELBO,
+    TraceEnumAdaptiveSTL_ELBO,
+    TraceSTL_ELBO,
+)
 from pyro_gradroute.poutine import stick_the_landing
 
 
@@ -301,14 +307,17 @@ def _always(make):
 
 
 def _adaptive(p: Problem):
-    if p.enum:
-        return None  # not applicable: no enumeration in the adaptive estimator
+    if p.enum:  # the same estimator over TraceEnum_ELBO
+        return TraceEnumAdaptiveSTL_ELBO(max_plate_nesting=p.max_plate_nesting), p.guide
     return TraceAdaptiveSTL_ELBO(), p.guide
 
 
 def _switch(p: Problem):
     if p.enum:
-        return None
+        return (
+            TraceEnumAdaptiveSTL_ELBO(max_plate_nesting=p.max_plate_nesting, mix_gain=math.inf),
+            p.guide,
+        )
     return TraceAdaptiveSTL_ELBO(mix_gain=math.inf), p.guide
 
 

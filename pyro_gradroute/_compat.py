@@ -217,3 +217,15 @@ def trace_elbo_particles(elbo, model, guide, args, kwargs):
     for model_trace, guide_trace in elbo._get_traces(model, guide, args, kwargs):
         loss, surrogate = elbo._differentiable_loss_particle(model_trace, guide_trace)
         yield model_trace, guide_trace, loss, surrogate
+
+
+def trace_enum_elbo_particles(elbo, model, guide, args, kwargs):
+    """``(model_trace, guide_trace, loss, surrogate)`` for each particle of Pyro's
+    ``TraceEnum_ELBO`` ``elbo``: what its ``loss_and_grads`` differentiates (its private
+    ``_get_traces`` and ``traceenum_elbo._compute_dice_elbo``)."""
+    from pyro.infer.traceenum_elbo import _compute_dice_elbo
+
+    for model_trace, guide_trace in elbo._get_traces(model, guide, args, kwargs):
+        elbo_particle = _compute_dice_elbo(model_trace, guide_trace)
+        loss = -float(elbo_particle.detach() if torch.is_tensor(elbo_particle) else elbo_particle)
+        yield model_trace, guide_trace, loss, -elbo_particle

@@ -1,7 +1,11 @@
 """Estimators: ELBOs built from one trace per particle and named, routable terms."""
 
 from .elbo import RoutedELBO
-from .trace_adaptive_elbo import TraceAdaptiveDReG_ELBO, TraceAdaptiveSTL_ELBO
+from .trace_adaptive_elbo import (
+    TraceAdaptiveDReG_ELBO,
+    TraceAdaptiveSTL_ELBO,
+    TraceEnumAdaptiveSTL_ELBO,
+)
 from .trace_dreg_elbo import ReweightedWakeSleepDReG, TraceDReG_ELBO
 from .trace_elbo import Trace_ELBO
 from .trace_stl_elbo import TraceSTL_ELBO
@@ -11,6 +15,7 @@ __all__ = [
     "RoutedELBO",
     "TraceAdaptiveDReG_ELBO",
     "TraceAdaptiveSTL_ELBO",
+    "TraceEnumAdaptiveSTL_ELBO",
     "TraceDReG_ELBO",
     "Trace_ELBO",
     "TraceSTL_ELBO",

@@ -20,16 +20,17 @@ import pyro
 import torch
 import torch.distributed as torch_dist
 from pyro.infer import Trace_ELBO as _PyroTrace_ELBO
+from pyro.infer import TraceEnum_ELBO as _PyroTraceEnum_ELBO
 from pyro.util import warn_if_nan
 from torch.distributions import TransformedDistribution
 
 from .. import routing
-from .._compat import trace_elbo_particles
+from .._compat import trace_elbo_particles, trace_enum_elbo_particles
 from ..distributions.detached import delta_base, is_delta
 from ..distributions.normal import normal_score, plain_normal
 from ..poutine.pathwise import frontier, latent_site
 from ..poutine.split_distribution import SplitDistribution
-from ..poutine.stick_the_landing_messenger import uses_pathwise
+from ..poutine.stick_the_landing_messenger import stick_the_landing, uses_pathwise
 from ..routing import passes_product, reaches_leaf_directly
 from .elbo import EXTRA, RoutedELBO, Terms, _joint_blocks, collect_blocks
 from .trace_dreg_elbo import TraceDReG_ELBO
@@ -833,7 +834,7 @@ def _score_tensor(site):
     return scaled(site, score), fn.batch.group
 
 
-def _one_pass_sites(guide_trace) -> list[tuple] | None:
+def _one_pass_sites(guide_trace, why: list | None = None) -> list[tuple] | None:
     """``[(name, normal, event_ndims)]`` of the guide sites whose score part a one-pass step
     reads at their ``Normal``'s parameters, or ``None`` where the guide needs the general step.
 
@@ -842,13 +843,16 @@ def _one_pass_sites(guide_trace) -> list[tuple] | None:
     ``scale`` read no earlier sample, drawn by that ``Normal`` (its value carries the
     parameters' graph), outside a subsampled plate (an element of the moments is then the
     same parameter on every step); or a ``Delta`` whose density and value reach the
-    parameters only through earlier samples (no score part).
+    parameters only through earlier samples (no score part). ``why`` gets the reason where
+    the guide does not qualify.
     """
+    why = [] if why is None else why
     out, nodes = [], {}
     for name, site in guide_trace.nodes.items():
         if site["type"] != "sample" or site["is_observed"]:
             continue
         if not latent_site(site):
+            why.append(f"guide site '{name}' is enumerated or a subsample site")
             return None
         fn, value = site["fn"], site["value"]
         d = delta_base(fn)
@@ -859,26 +863,34 @@ def _one_pass_sites(guide_trace) -> list[tuple] | None:
                 and ld.requires_grad
                 and reaches_leaf_directly(ld, stop_nodes=nodes)
             ):
+                why.append(f"guide site '{name}' is a Delta whose density reads parameters")
                 return None
             if site["infer"].get("is_auxiliary") and torch.is_tensor(value) and value.requires_grad:
                 if reaches_leaf_directly(value, stop_nodes=nodes):
+                    why.append(f"guide site '{name}' is an auxiliary Delta of parameters")
                     return None
         elif not getattr(fn, "has_rsample", False):
-            return None  # a score-function site: the general step
+            why.append(f"guide site '{name}' is not reparameterized")
+            return None
         elif uses_pathwise(site):
             base, nd = plain_normal(fn)
             if base is None:
+                why.append(f"guide site '{name}' is a {type(fn).__name__}, not a plain Normal")
                 return None
             ps = [t for t in (base.loc, base.scale) if t.requires_grad]
             if ps:
                 if not (torch.is_tensor(value) and value.requires_grad) or frontier(ps, nodes):
+                    why.append(f"guide site '{name}' reads an earlier sample (or was replayed)")
                     return None
                 if passes_product(ps, nodes):
-                    return None  # amortized: moments per network weight, as minibatches change
+                    # amortized: moments per network weight, as minibatches change
+                    why.append(f"guide site '{name}' is amortized (a network computes it)")
+                    return None
                 if any(
                     f.full_size is not None and f.full_size != f.size
                     for f in site["cond_indep_stack"]
                 ):
+                    why.append(f"guide site '{name}' is in a subsampled plate")
                     return None
                 out.append((name, base, nd))
         if torch.is_tensor(value) and value.grad_fn is not None:
@@ -1275,16 +1287,7 @@ class TraceAdaptiveSTL_ELBO(_AdaptiveMixin, TraceSTL_ELBO):
         saved = [p.grad for p in params]
         for p in params:
             p.grad = None
-        if end == 1.0:
-            trace = self._routed_trace if self._routed else self._trace
-            trace.max_plate_nesting = self.max_plate_nesting
-            loss = trace.loss_and_grads(model, guide, *args, **kwargs)
-        else:
-            self._scores = False
-            try:
-                loss = RoutedELBO.loss_and_grads(self, model, guide, *args, **kwargs)
-            finally:
-                self._scores = True
+        loss = self._endpoint_step(end, model, guide, args, kwargs)
         if params:
             zero = torch.zeros_like
             self._gate.update(
@@ -1294,6 +1297,27 @@ class TraceAdaptiveSTL_ELBO(_AdaptiveMixin, TraceSTL_ELBO):
             if old is not None:
                 p.grad = old if p.grad is None else old.add_(p.grad)
         return loss
+
+    def _endpoint_step(self, end: float, model, guide, args, kwargs) -> float:
+        """The whole estimator ``end``'s step (1: Pyro's ``Trace_ELBO``, 0: STL)."""
+        if end == 1.0:
+            trace = self._routed_trace if self._routed else self._trace
+            trace.max_plate_nesting = self.max_plate_nesting
+            return trace.loss_and_grads(model, guide, *args, **kwargs)
+        self._scores = False
+        try:
+            return RoutedELBO.loss_and_grads(self, model, guide, *args, **kwargs)
+        finally:
+            self._scores = True
+
+    def _particles(self, model, guide, args, kwargs):
+        """``(model_trace, guide_trace, loss, surrogate)`` per particle of Pyro's estimator."""
+        self._trace.max_plate_nesting = self.max_plate_nesting
+        return trace_elbo_particles(self._trace, model, guide, args, kwargs)
+
+    def _not_one_pass(self, why: list) -> None:
+        """A trace the one-pass step cannot take (``why``: the reason, if known); here the
+        step falls back to ``Trace_ELBO``'s."""
 
     _scores = True  # False during a direct step: no score parts are formed
 
@@ -1317,20 +1341,22 @@ class TraceAdaptiveSTL_ELBO(_AdaptiveMixin, TraceSTL_ELBO):
         this step's trace), the step is ``Trace_ELBO``'s (:math:`b = 1`, nothing measured)
         and later measured steps take the general path."""
         trace = self._trace
-        trace.max_plate_nesting = self.max_plate_nesting
         n = self.num_particles
         loss, ok, keys, bs, feed, routed, const = 0.0, True, None, None, False, False, 1.0
         acc: dict[str, list] = {}
         params: dict[str, torch.Tensor] = {}
         saved: dict[torch.Tensor, torch.Tensor | None] = {}
-        for model_trace, guide_trace, loss_p, surrogate in trace_elbo_particles(
-            trace, model, guide, args, kwargs
+        for model_trace, guide_trace, loss_p, surrogate in self._particles(
+            model, guide, args, kwargs
         ):
             self._refuse_enumeration(model_trace, guide_trace)
             loss += loss_p / n
             blocks = collect_blocks(model_trace, guide_trace)
             routed = routed or bool(blocks)
-            sites = _one_pass_sites(guide_trace) if ok and not blocks else None
+            why = ["block_grad routes"] if blocks else []
+            sites = _one_pass_sites(guide_trace, why) if ok and not blocks else None
+            if ok and sites is None:
+                self._not_one_pass(why)
             ok = sites is not None
             entries, parts = [], []
             if ok:
@@ -1427,9 +1453,10 @@ class TraceAdaptiveSTL_ELBO(_AdaptiveMixin, TraceSTL_ELBO):
                 raise ValueError(
                     f"model site {name!r} is marked for enumeration, which "
                     f"{type(self).__name__} does not do (it would be sampled from its prior, "
-                    "a different objective): use pyro.infer.TraceEnum_ELBO with the guide under "
-                    "pyro_gradroute.poutine.stick_the_landing (trace_steps=N to start at "
-                    "Trace_ELBO), or remove the enumeration mark"
+                    "a different objective): use pyro_gradroute.infer.TraceEnumAdaptiveSTL_ELBO "
+                    "(this estimator over pyro.infer.TraceEnum_ELBO), or pyro.infer.TraceEnum_ELBO "
+                    "with the guide under pyro_gradroute.poutine.stick_the_landing, or remove the "
+                    "enumeration mark"
                 )
 
     _qualifies = False  # whether the general step's traces allow one-pass steps
@@ -1471,6 +1498,120 @@ class TraceAdaptiveSTL_ELBO(_AdaptiveMixin, TraceSTL_ELBO):
             for p, g in gs.items():
                 out[p] = g if p not in out else out[p] + g
         return out
+
+
+class TraceEnumAdaptiveSTL_ELBO(TraceAdaptiveSTL_ELBO):
+    r""":class:`TraceAdaptiveSTL_ELBO` for models with enumerated discrete sites: Pyro's
+    :class:`pyro.infer.TraceEnum_ELBO` with the guide's score part added back with a weight
+    chosen from earlier steps.
+
+    The enumerated sites are summed out exactly as ``TraceEnum_ELBO`` does; the continuous
+    guide's gradient is :math:`g_\text{path} + b \odot g_\text{score}` as in
+    :class:`TraceAdaptiveSTL_ELBO` (unbiased for any :math:`b` from earlier steps), with
+    :math:`b = 1` ``TraceEnum_ELBO``'s gradient and :math:`b = 0` ``TraceEnum_ELBO``'s with the
+    guide under :func:`~pyro_gradroute.poutine.stick_the_landing`. Its direct steps are exactly
+    those two (Pyro's ``TraceEnum_ELBO.loss_and_grads``, the second on
+    ``stick_the_landing(guide)``); its measured steps take one backward, with the parts read at
+    the guide sites' ``Normal`` parameters (:meth:`TraceAdaptiveSTL_ELBO._one_pass_step`), so
+    every guide site with a score part must be a plain ``Normal`` whose ``loc`` and ``scale``
+    read no earlier sample (``AutoNormal``, ``AutoDiagonalNormal`` and mean-field guides of
+    the continuous sites): other guides raise a ``ValueError`` naming the site. Gate, policy
+    and arguments are :class:`TraceAdaptiveSTL_ELBO`'s; ``max_plate_nesting`` must be given
+    (as for ``TraceEnum_ELBO``). ``block_grad`` routes, vectorized particles, distributed runs
+    and ``differentiable_loss`` are not supported (each raises, saying what to use).
+
+    Example::
+
+        >>> import torch, pyro, pyro.distributions as dist
+        >>> from pyro import poutine
+        >>> from pyro.infer import SVI, config_enumerate
+        >>> from pyro.infer.autoguide import AutoNormal
+        >>> from pyro_gradroute.infer import TraceEnumAdaptiveSTL_ELBO
+        >>> @config_enumerate
+        ... def model(x):
+        ...     locs = pyro.sample("locs", dist.Normal(0.0, 5.0).expand([2]).to_event(1))
+        ...     with pyro.plate("data", len(x)):
+        ...         k = pyro.sample("k", dist.Categorical(torch.ones(2) / 2))
+        ...         pyro.sample("x", dist.Normal(locs[k], 1.0), obs=x)
+        >>> pyro.clear_param_store()
+        >>> guide = AutoNormal(poutine.block(model, hide=["k"]))
+        >>> elbo = TraceEnumAdaptiveSTL_ELBO(max_plate_nesting=1)
+        >>> svi = SVI(model, guide, pyro.optim.Adam({"lr": 0.05}), elbo)
+        >>> x = torch.cat([torch.randn(10) - 2, torch.randn(10) + 2])
+        >>> for _ in range(10):
+        ...     loss = svi.step(x)
+        >>> sorted(elbo.control_variate_weights())
+        ['locs_unconstrained.loc', 'locs_unconstrained.scale']
+    """
+
+    def __init__(
+        self, num_particles: int = 1, max_plate_nesting: float = math.inf, *args, **kwargs
+    ):
+        super().__init__(num_particles, max_plate_nesting, *args, **kwargs)
+        if self.vectorize_particles:
+            raise NotImplementedError(
+                f"{type(self).__name__}: vectorize_particles is not supported; use "
+                "num_particles without vectorize_particles (a loop over particles)"
+            )
+        opts = {k: v for k, v in kwargs.items() if k not in _ADAPTIVE_ARGS}
+        self._trace = _PyroTraceEnum_ELBO(num_particles, max_plate_nesting, *args, **opts)
+        self._trace.retain_graph = True  # as TraceEnum_ELBO's own backward
+
+    def _refuse_enumeration(self, model_trace, guide_trace) -> None:
+        pass  # enumeration is what this estimator is for
+
+    def loss_and_grads(self, model, guide, *args, **kwargs) -> float:
+        if _world(self._distributed) > 1:
+            raise NotImplementedError(
+                f"{type(self).__name__} does not average its parts over ranks; use "
+                "pyro.infer.TraceEnum_ELBO with the guide under stick_the_landing, or one process"
+            )
+        return super().loss_and_grads(model, guide, *args, **kwargs)
+
+    def differentiable_loss(self, model, guide, *args, **kwargs):
+        raise NotImplementedError(
+            f"{type(self).__name__} forms its gradient with hooks in loss_and_grads (SVI's "
+            "path); for a loss tensor use pyro.infer.TraceEnum_ELBO(...).differentiable_loss "
+            "with the guide under pyro_gradroute.poutine.stick_the_landing"
+        )
+
+    def _measured_step(self, model, guide, args, kwargs) -> float:
+        return self._one_pass_step(model, guide, args, kwargs)
+
+    def _not_one_pass(self, why: list) -> None:
+        raise ValueError(
+            f"{type(self).__name__}: {why[0] if why else 'this guide is not supported'}; it "
+            "needs every guide site with a score part to be a plain Normal whose loc and "
+            "scale read no earlier sample (AutoNormal, AutoDiagonalNormal, mean-field guides). "
+            "Use pyro.infer.TraceEnum_ELBO with the guide under "
+            "pyro_gradroute.poutine.stick_the_landing (trace_steps=N to start at TraceEnum_ELBO)"
+        )
+
+    def _particles(self, model, guide, args, kwargs):
+        self._trace.max_plate_nesting = self.max_plate_nesting
+        return trace_enum_elbo_particles(self._trace, model, guide, args, kwargs)
+
+    def _endpoint_step(self, end: float, model, guide, args, kwargs) -> float:
+        self._trace.max_plate_nesting = self.max_plate_nesting
+        if end != 1.0:
+            guide = stick_the_landing(guide)
+        return self._trace.loss_and_grads(model, guide, *args, **kwargs)
+
+
+#: TraceAdaptiveSTL_ELBO's own keyword arguments (not Pyro's ELBO's)
+_ADAPTIVE_ARGS = frozenset(
+    {
+        "decay",
+        "clip",
+        "warmup",
+        "confidence",
+        "fixed_weight",
+        "center",
+        "distributed",
+        "mix_gain",
+        "trace_steps",
+    }  # fmt: skip
+)
 
 
 # ----------------------------------------------------------------------------- DReG

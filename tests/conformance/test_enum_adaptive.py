@@ -1,0 +1,243 @@
+"""Conformance cells of ``TraceEnumAdaptiveSTL_ELBO`` (the adaptive estimator under enumeration).
+
+References are Pyro's ``TraceEnum_ELBO`` on the same seed (``b = 1``) and Pyro's
+``TraceEnum_ELBO`` with the guide under ``stick_the_landing`` (``b = 0``; the handler's own
+cells under Pyro's ELBOs are in ``tests/poutine/test_stick_the_landing.py``), so for a frozen
+``b`` the same-draw reference is ``(1 - b) * STL + b * TraceEnum``:
+
+* ``first``: a fresh estimator's first step equals ``TraceEnum_ELBO``'s;
+* ``frozen``: ``b`` frozen at -0.5 and 2, on two seeds;
+* ``direct``: a settled policy's direct step at each endpoint equals that endpoint's reference
+  and measures nothing;
+* ``gate``: a quiet gate's step at each endpoint equals its reference and measures nothing;
+* ``switch``: ``mix_gain=math.inf`` with its gate held open: every step of 12 is one of the
+  two references;
+* ``mix``: per-element weights: element by element ``(1 - b) * STL + b * TraceEnum``.
+
+Cases: a two-component mixture with ``AutoNormal`` on the continuous sites (Pyro's GMM
+tutorial pattern), and a hand-written mean-field guide of a mixture with a scale parameter.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+from pyro import poutine
+from pyro.infer import TraceEnum_ELBO, config_enumerate
+from pyro.infer.autoguide import AutoNormal
+from torch.distributions import constraints
+
+from pyro_gradroute.infer import TraceEnumAdaptiveSTL_ELBO
+from pyro_gradroute.poutine import block_grad, stick_the_landing
+
+DATA = torch.tensor([-2.1, -1.8, -2.4, -0.3, 1.9, 2.2, 2.5, 0.4])
+
+
+@config_enumerate
+def gmm_model(data):
+    weights = pyro.sample("weights", dist.Dirichlet(0.5 * torch.ones(2)))
+    scale = pyro.sample("scale", dist.LogNormal(0.0, 2.0))
+    with pyro.plate("components", 2):
+        locs = pyro.sample("locs", dist.Normal(0.0, 10.0))
+    with pyro.plate("data", len(data)):
+        k = pyro.sample("k", dist.Categorical(weights))
+        pyro.sample("obs", dist.Normal(locs[k], scale), obs=data)
+
+
+def _auto_normal():
+    return gmm_model, AutoNormal(poutine.block(gmm_model, hide=["k"]))
+
+
+@config_enumerate
+def mix_model(data):
+    with pyro.plate("components", 2):
+        locs = pyro.sample("locs", dist.Normal(0.0, 3.0))
+    with pyro.plate("data", len(data)):
+        k = pyro.sample("k", dist.Categorical(torch.ones(2) / 2))
+        pyro.sample("obs", dist.Normal(locs[k], 0.5), obs=data)
+
+
+def mix_guide(data):
+    m = pyro.param("m", torch.tensor([-1.5, 1.5]))
+    s = pyro.param("s", torch.tensor([0.4, 0.6]), constraint=constraints.positive)
+    with pyro.plate("components", 2):
+        pyro.sample("locs", dist.Normal(m, s))
+
+
+CASES = {"AutoNormal-GMM": _auto_normal, "mean-field": lambda: (mix_model, mix_guide)}
+
+
+def _grads(elbo, model, guide, seed, by_name=False):
+    pyro.set_rng_seed(seed)
+    for p in pyro.get_param_store().values():
+        p.unconstrained().grad = None
+    elbo.loss_and_grads(model, guide, DATA)
+    store = dict(pyro.get_param_store().named_parameters())
+    grads = {
+        k: (p.grad if p.grad is not None else 0 * p).detach().clone() for k, p in store.items()
+    }
+    for p in store.values():
+        p.grad = None
+    return grads if by_name else torch.cat([grads[k].reshape(-1) for k in sorted(grads)])
+
+
+#: the parameter behind each Normal parameter of the guide sites (``"<site>.loc"``, ...)
+PARAM_OF = {
+    "AutoNormal-GMM": lambda key: "AutoNormal.{}.{}".format(
+        "locs" if key.endswith(".loc") else "scales",
+        key.rsplit(".", 1)[0].removesuffix("_unconstrained"),
+    ),
+    "mean-field": lambda key: {"locs.loc": "m", "locs.scale": "s"}[key],
+}
+
+
+def _build(name):
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    model, guide = CASES[name]()
+    guide(DATA)  # create the parameters
+    return model, guide
+
+
+def _refs(model, guide, seed):
+    enum = TraceEnum_ELBO(max_plate_nesting=1)
+    return _grads(enum, model, stick_the_landing(guide), seed), _grads(enum, model, guide, seed)
+
+
+def _ours(**kw):
+    return TraceEnumAdaptiveSTL_ELBO(max_plate_nesting=1, **kw)
+
+
+def _close(a, b, msg):
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=lambda m: f"{msg}\n{m}")
+
+
+def _moments(elbo):
+    return {k: st["n"] for k, st in elbo._cv.state.items()}
+
+
+def check_first(name):
+    model, guide = _build(name)
+    _close(_grads(_ours(), model, guide, 0), _refs(model, guide, 0)[1], f"{name}: first step")
+
+
+def check_frozen(name):
+    model, guide = _build(name)
+    for b in (-0.5, 2.0):
+        elbo = _ours(fixed_weight=b)
+        for seed in (0, 1):
+            stl, trace = _refs(model, guide, seed)
+            _close(_grads(elbo, model, guide, seed), (1 - b) * stl + b * trace, f"{name}: b={b}")
+
+
+def _endpoint(name, measured, prepare, what):
+    model, guide = _build(name)
+    for end in (1.0, 0.0):
+        elbo = _ours()
+        elbo._gate.known, elbo._gate.bound = (lambda: True), (lambda: math.inf)
+        for seed in range(100, 100 + measured):
+            _grads(elbo, model, guide, seed)
+        prepare(elbo, end)
+        before = _moments(elbo)
+        g = _grads(elbo, model, guide, 1)
+        assert _moments(elbo) == before, f"{name}: the {what} measured"
+        stl, trace = _refs(model, guide, 1)
+        _close(g, trace if end == 1.0 else stl, f"{name}: {what} at b = {end}")
+
+
+def _settled(elbo, end):
+    for st in elbo._cv.state.values():
+        st["n"], st["age"] = 10**6, -(10**6)
+        fit = elbo._cv._fit(st)
+        fit["b"] = torch.full_like(fit["b"], 0.5)
+        fit["direct"] = end
+        st["fit"] = fit
+    elbo._unmeasured = 0
+
+
+def _quiet(elbo, end):
+    elbo._gate.reset(end)
+    elbo._gate.known, elbo._gate.bound = (lambda: True), (lambda: 1.0)
+
+
+def check_direct(name):
+    _endpoint(name, 2, _settled, "direct step")
+
+
+def check_gate(name):
+    _endpoint(name, 1, _quiet, "gate's step")
+
+
+def check_switch(name):
+    model, guide = _build(name)
+    elbo = _ours(mix_gain=math.inf)
+    elbo._gate.known, elbo._gate.bound = (lambda: True), (lambda: math.inf)
+    for seed in range(12):
+        g = _grads(elbo, model, guide, 200 + seed)
+        refs = _refs(model, guide, 200 + seed)
+        assert any(torch.allclose(g, r, rtol=1e-4, atol=1e-4) for r in refs), (
+            f"{name}: step {seed} of the switch is neither TraceEnum_ELBO's nor STL's"
+        )
+
+
+def check_mix(name):
+    model, guide = _build(name)
+    elbo = _ours(mix_gain=None)
+    _grads(elbo, model, guide, 0)
+    (key,) = elbo._cv.state
+    st = elbo._cv.state[key]
+    st["n"], st["qw"] = 10**6, 1.0
+    b = torch.linspace(-0.5, 2.0, st["scc"].numel())
+    st["fit"], st["age"] = dict(elbo._cv._fit(st), b=b), -(10**6)
+    g = _grads(elbo, model, guide, 7, by_name=True)
+    enum = TraceEnum_ELBO(max_plate_nesting=1)
+    stl = _grads(enum, model, stick_the_landing(guide), 7, by_name=True)
+    trace = _grads(enum, model, guide, 7, by_name=True)
+    # every guide parameter here is elementwise in its Normal's loc or scale: that element's
+    # weight is the parameter element's
+    for k, w in elbo._cv._split(key, b).items():
+        p = PARAM_OF[name](k)
+        _close(g[p], (1 - w) * stl[p] + w * trace[p], f"{name}: per-element weights, {p}")
+
+
+CHECKS = {
+    "first": check_first,
+    "frozen": check_frozen,
+    "direct": check_direct,
+    "gate": check_gate,
+    "switch": check_switch,
+    "mix": check_mix,
+}
+CELLS = [(n, k) for n in CASES for k in CHECKS]
+
+
+@pytest.mark.parametrize("name, check", CELLS, ids=[f"{n}-{k}" for n, k in CELLS])
+def test_enum_adaptive(name, check):
+    CHECKS[check](name)
+
+
+# ----------------------------------------------------------------------------- what it refuses
+def test_guide_that_is_not_a_plain_normal_is_refused_naming_the_site():
+    pyro.clear_param_store()
+
+    def guide(data):
+        c = pyro.param("c", torch.ones(2), constraint=constraints.positive)
+        with pyro.plate("components", 2):
+            pyro.sample("locs", dist.Gamma(c, 1.0))
+
+    with pytest.raises(ValueError, match=r"'locs' is a Gamma.*TraceEnum_ELBO.*stick_the_landing"):
+        _ours().loss_and_grads(mix_model, guide, DATA)
+
+
+def test_block_grad_vectorize_and_differentiable_loss_are_refused():
+    model, guide = _build("mean-field")
+    with pytest.raises(ValueError, match="block_grad routes"):
+        _ours().loss_and_grads(model, block_grad(guide, sites=["locs"], params=["m"]), DATA)
+    with pytest.raises(NotImplementedError, match="vectorize_particles"):
+        TraceEnumAdaptiveSTL_ELBO(num_particles=2, vectorize_particles=True, max_plate_nesting=1)
+    with pytest.raises(NotImplementedError, match="differentiable_loss"):
+        _ours().differentiable_loss(model, guide, DATA)
