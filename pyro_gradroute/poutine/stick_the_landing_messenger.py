@@ -14,6 +14,7 @@ from torch.distributions import Distribution, kl_divergence, register_kl
 from .._compat import Subsample, calling_elbo
 from ..distributions.detached import delta_base
 from .gated_distribution import GatedDistribution
+from .measured_switch import check_switch
 from .pathwise import (
     Conditional,
     NeedsGeneralSplit,
@@ -87,10 +88,12 @@ class STLPolicy:
         self._plain: weakref.WeakSet = weakref.WeakSet()
         self._warned: set[str] = set()
 
+    switch = None  # a MeasuredSwitch, if sticking the landing waits for its measurements
+
     @property
     def active(self) -> bool:
         """Whether sticking the landing is on (the ``Trace_ELBO`` phase is over)."""
-        return self.steps >= self.trace_steps
+        return self.steps >= self.trace_steps and (self.switch is None or self.switch.stl)
 
     def advance(self) -> None:
         """Count one step (a gradient evaluation)."""
@@ -133,11 +136,13 @@ class STLPolicy:
             pass
 
     def __getstate__(self) -> dict:
-        return {"owner": self.owner, "trace_steps": self.trace_steps, "steps": self.steps}
+        state = {"owner": self.owner, "trace_steps": self.trace_steps, "steps": self.steps}
+        return {**state, "switch": self.switch}
 
     def __setstate__(self, state: dict) -> None:
         self.__init__(state["owner"], state["trace_steps"])
         self.steps = state["steps"]
+        self.switch = state.get("switch")
 
 
 def _allowed_elbos() -> tuple:
@@ -381,8 +386,10 @@ class StickTheLandingMessenger(SplitMessenger):
         >>> loss = svi.step(torch.randn(5))
     """
 
-    def __init__(self, trace_steps: int = 0) -> None:
+    def __init__(self, trace_steps: int = 0, switch: str | None = None) -> None:
         self._policy = STLPolicy("sticking the landing", trace_steps)
+        self._switch = self._policy.switch = check_switch(switch)
+        self._measuring = False  # whether this run's Normal sites are measured for the switch
         super().__init__(self._new_batch())
         self._fast = False  # the first run takes the general split and finds what the guide needs
         self._flows = False  # whether the default path met a flow site (not under the JIT)
@@ -398,6 +405,11 @@ class StickTheLandingMessenger(SplitMessenger):
         check_elbo(calling_elbo())
         if self._fast and self._flows and torch.jit.is_tracing():
             self._fast = False  # a flow's forward-carried rules cannot be traced: the general split
+        if self._switch is not None:  # the runs before chose this run's gradient
+            was = self._switch.stl
+            self._measuring = self._switch.begin(torch.is_grad_enabled()) and self._fast
+            if self._switch.stl and not was:
+                self._fast = self._measuring = False  # the first STL run classifies the sites
         if self._fast:
             self._run = _Run(self, self._policy.active)
         else:
@@ -442,6 +454,9 @@ class StickTheLandingMessenger(SplitMessenger):
         if type(fn) is not PathwiseDistribution or fn._run is not run:
             return
         value, name, base = msg["value"], msg["name"], fn.base_dist
+        if self._switch is not None and delta_base(base) is None and uses_pathwise(msg):
+            sw, m = self._switch, self._measuring
+            sw.measure(name, base, value, msg["scale"], msg["mask"], run.nodes, run.stl, m)
         if not (run.stl and msg["infer"].get("stl") is None and base.has_rsample) and not (
             self._policy.uses_pathwise(msg)
         ):
@@ -514,6 +529,10 @@ class StickTheLandingMessenger(SplitMessenger):
         if args[0] is None and not self._policy.active:
             if torch.is_grad_enabled():
                 self._policy.advance()
+            if self._switch is not None and not self._fast:
+                # the ordinary gradient on the default path (its sites unwrapped), which the
+                # switch measures at the sites' Normal parameters
+                self._fast, self._flows = True, False
         elif args[0] is None:
             if torch.is_grad_enabled():
                 self._policy.advance()
@@ -566,13 +585,21 @@ def _fast_enough(batch: SplitBatch) -> tuple[bool, bool]:
 
 
 def stick_the_landing(
-    fn: Callable | None = None, *, trace_steps: int = 0
+    fn: Callable | None = None, *, trace_steps: int = 0, switch: str | None = None
 ) -> StickTheLandingMessenger | Callable:
     """Handler form of :class:`StickTheLandingMessenger` (like ``pyro.poutine.scale``).
 
     ``trace_steps``: the first ``trace_steps`` runs of the guide with gradients enabled
     (one per SVI step and particle) keep the ordinary gradient; sticking the landing
     starts after them (see :class:`STLPolicy`).
+
+    ``switch="measured"``: the ordinary gradient first, and sticking the landing once the
+    gradients measure it better, back if they stop doing so
+    (:class:`~pyro_gradroute.poutine.measured_switch.MeasuredSwitch`: from the gradient the
+    backward sends to each site's ``Normal`` parameters, one run in 2, no extra backward). Each
+    run's choice comes from earlier runs only, so every step is one of the two unbiased
+    estimators. It reads plain ``Normal`` sites whose parameters read no earlier sample and no
+    network; another reparameterized site raises a ``ValueError`` naming it.
 
     Example::
 
@@ -585,5 +612,5 @@ def stick_the_landing(
 
     :returns: the wrapped ``fn``, or the messenger (a context manager) if ``fn`` is None.
     """
-    msngr = StickTheLandingMessenger(trace_steps)
+    msngr = StickTheLandingMessenger(trace_steps, switch)
     return msngr if fn is None else msngr(fn)

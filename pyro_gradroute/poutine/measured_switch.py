@@ -1,0 +1,164 @@
+r"""The measured switch of :func:`~pyro_gradroute.poutine.stick_the_landing`: ``Trace_ELBO``'s
+gradient first, STL's once it measures better.
+
+At a guide site's ``Normal`` parameters :math:`\theta = (\mu, \sigma)` the ``Trace_ELBO``
+gradient is :math:`p + c`, with :math:`p` STL's (pathwise) part and :math:`c` the score part,
+closed-form (:func:`~pyro_gradroute.distributions.normal.normal_score`). A hook at
+:math:`\theta` reads the gradient the backward sends there (:math:`p + c` while the handler
+gives the ordinary gradient, :math:`p` while it sticks the landing), so every measured run
+gives, with no extra backward,
+
+.. math::
+
+    d = \lVert p + c \rVert^2 - \lVert p \rVert^2 = 2 \langle p, c \rangle + \lVert c \rVert^2,
+
+the difference of the two estimators' squared gradients on one draw (their means are equal,
+so :math:`\mathbb E d` is the difference of their total variances at :math:`\theta`). The
+switch keeps an exponentially weighted mean and variance of :math:`d` (factor ``decay``) and
+sticks the landing while the mean is above ``confidence`` standard errors (after
+``warmup`` measured runs), back to the ordinary gradient once it is below minus that. The
+choice for a run comes from earlier runs only, so every run's gradient is one of the two
+unbiased estimators.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..distributions.normal import normal_score, plain_normal
+from ..routing import passes_product, reached_nodes
+
+__all__ = ["MeasuredSwitch"]
+
+
+class MeasuredSwitch:
+    """State of the measured switch (see the module docs).
+
+    :param every: measure one guide run in ``every`` (hooks and the closed-form score part
+        cost a few vector operations a site).
+    :param decay: weight of the earlier runs' moments.
+    :param warmup: measured runs before the switch may move.
+    :param confidence: standard errors of the mean of :math:`d` needed to move.
+    """
+
+    def __init__(
+        self, every: int = 2, decay: float = 0.9, warmup: int = 5, confidence: float = 2.0
+    ):
+        self.every, self.decay, self.warmup, self.confidence = every, decay, warmup, confidence
+        self.stl = False
+        self.runs = 0
+        self.w1 = self.w2 = self.s1 = self.s2 = 0.0
+        self.n = 0
+        self._pending: list = []  # [(c, seen)] of the measured run whose backward is awaited
+        self._handles: list = []
+
+    # -- between runs -------------------------------------------------------------------
+    def begin(self, grad: bool) -> bool:
+        """Start a guide run: take in the last measured run's parts (if its backward ran) and
+        choose this run's gradient. Returns whether this run is measured."""
+        self._collect()
+        if not grad:
+            return False
+        self.runs += 1
+        return (self.runs - 1) % self.every == 0
+
+    def _collect(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        pending, self._pending = self._pending, []
+        if not pending or any(seen[0] is None for _, seen, _ in pending):
+            return  # no backward reached every site (loss(), Predictive, ...): nothing learnt
+        d = 0.0
+        for c, seen, stl in pending:
+            p = seen[0] if stl else seen[0] - c
+            d += float(2 * (p * c).sum() + (c * c).sum())
+        self._add(d)
+
+    def _add(self, d: float) -> None:
+        b = self.decay
+        self.w1, self.w2 = b * self.w1 + 1.0, b * b * self.w2 + 1.0
+        self.s1, self.s2 = b * self.s1 + d, b * self.s2 + d * d
+        self.n += 1
+        if self.n <= self.warmup:
+            return
+        mean = self.s1 / self.w1
+        var = max(self.s2 / self.w1 - mean * mean, 0.0)
+        n_eff = self.w1 * self.w1 / self.w2
+        se = math.sqrt(var / max(n_eff - 1.0, 1.0))
+        if mean > self.confidence * se:
+            self.stl = True
+        elif mean < -self.confidence * se:
+            self.stl = False
+
+    # -- during a measured run ----------------------------------------------------------
+    def measure(
+        self, name: str, site_fn, value, scale, mask, earlier_nodes: dict, stl: bool, hook: bool
+    ) -> None:
+        """Check the site and, where ``hook``, hook its ``Normal`` parameters for this run's
+        backward.
+
+        Raises ``ValueError`` (naming the site) for a reparameterized site that is not a
+        plain ``Normal`` reading no earlier sample and no network.
+        """
+        base, nd = plain_normal(site_fn)
+        if base is None:
+            raise ValueError(
+                f"stick_the_landing(switch='measured'): guide site '{name}' is a "
+                f"{type(site_fn).__name__}; the measured switch reads the score part of plain "
+                "Normal sites only. Use trace_steps=N (a fixed number of Trace_ELBO steps), or "
+                "pyro_gradroute.infer.TraceAdaptiveSTL_ELBO(mix_gain=math.inf)"
+            )
+        ps = [t for t in (base.loc, base.scale) if t.requires_grad]
+        if not ps:
+            return
+        if reached_nodes(ps, earlier_nodes) or passes_product(ps, earlier_nodes):
+            raise ValueError(
+                f"stick_the_landing(switch='measured'): guide site '{name}' reads an earlier "
+                "sample or is computed by a network; the measured switch reads the score part "
+                "of Normal sites whose parameters are the guide's own. Use trace_steps=N, or "
+                "pyro_gradroute.infer.TraceAdaptiveSTL_ELBO(mix_gain=math.inf)"
+            )
+        if not hook:
+            return
+        for _, t, c in normal_score(base, nd, value, scale, mask):
+            seen: list = [None]
+
+            def hook(g, seen=seen):
+                seen[0] = g
+
+            self._handles.append(t.register_hook(hook))
+            self._pending.append((c, seen, stl))
+
+    # -- state ----------------------------------------------------------------------------
+    def __getstate__(self) -> dict:
+        keys = (
+            "every",
+            "decay",
+            "warmup",
+            "confidence",
+            "stl",
+            "runs",
+            "w1",
+            "w2",
+            "s1",
+            "s2",
+            "n",
+        )
+        return {k: getattr(self, k) for k in keys}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._pending, self._handles = [], []
+
+
+def check_switch(switch) -> MeasuredSwitch | None:
+    """The switch a handler's ``switch`` argument asks for (``None``: none)."""
+    if switch is None:
+        return None
+    if switch == "measured":
+        return MeasuredSwitch()
+    raise ValueError(
+        f"stick_the_landing: switch must be None or 'measured' (Trace_ELBO's gradient first, "
+        f"sticking the landing once it measures better), got {switch!r}"
+    )
