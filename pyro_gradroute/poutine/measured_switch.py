@@ -25,8 +25,11 @@ from __future__ import annotations
 
 import math
 
+import torch
+
+from ..distributions.detached import delta_base
 from ..distributions.normal import normal_score, plain_normal
-from ..routing import passes_product, reached_nodes
+from ..routing import passes_product, reached_nodes, reaches_leaf_directly
 
 __all__ = ["MeasuredSwitch"]
 
@@ -101,6 +104,19 @@ class MeasuredSwitch:
         Raises ``ValueError`` (naming the site) for a reparameterized site that is not a
         plain ``Normal`` reading no earlier sample and no network.
         """
+        d = delta_base(site_fn)
+        if d is not None:  # no draw of its own: a score part only where its density reads
+            ld = d.log_density  # parameters directly (a structured guide's site)
+            if torch.is_tensor(ld) and ld.requires_grad:
+                if reaches_leaf_directly(ld, stop_nodes=earlier_nodes):
+                    raise ValueError(
+                        f"stick_the_landing(switch='measured'): guide site '{name}' is a Delta "
+                        "whose density reads parameters; the measured switch reads the score "
+                        "part of plain Normal sites only. Use trace_steps=N (a fixed number of "
+                        "Trace_ELBO steps), or pyro_gradroute.infer.TraceAdaptiveSTL_ELBO("
+                        "mix_gain=math.inf)"
+                    )
+            return
         base, nd = plain_normal(site_fn)
         if base is None:
             raise ValueError(

@@ -454,7 +454,7 @@ class StickTheLandingMessenger(SplitMessenger):
         if type(fn) is not PathwiseDistribution or fn._run is not run:
             return
         value, name, base = msg["value"], msg["name"], fn.base_dist
-        if self._switch is not None and delta_base(base) is None and uses_pathwise(msg):
+        if self._switch is not None and uses_pathwise(msg):
             sw, m = self._switch, self._measuring
             sw.measure(name, base, value, msg["scale"], msg["mask"], run.nodes, run.stl, m)
         if not (run.stl and msg["infer"].get("stl") is None and base.has_rsample) and not (
