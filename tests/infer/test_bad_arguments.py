@@ -10,10 +10,17 @@ from pyro_gradroute.infer import (
     TraceAdaptiveDReG_ELBO,
     TraceAdaptiveSTL_ELBO,
     TraceDReG_ELBO,
+    TraceEnumAdaptiveSTL_ELBO,
     TraceSTL_ELBO,
 )
 
-ESTIMATORS = [TraceSTL_ELBO, TraceAdaptiveSTL_ELBO, TraceDReG_ELBO, TraceAdaptiveDReG_ELBO]
+ESTIMATORS = [
+    TraceSTL_ELBO,
+    TraceAdaptiveSTL_ELBO,
+    TraceEnumAdaptiveSTL_ELBO,
+    TraceDReG_ELBO,
+    TraceAdaptiveDReG_ELBO,
+]
 
 
 @pytest.mark.parametrize("n", [0, -1, 2.5, True])
