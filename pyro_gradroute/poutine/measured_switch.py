@@ -51,7 +51,7 @@ class MeasuredSwitch:
         self.stl = False
         self.runs = 0
         self.w1 = self.w2 = self.s1 = self.s2 = 0.0
-        self.n = 0
+        self.n = self.seen = 0
         self._pending: list = []  # [(c, seen)] of the measured run whose backward is awaited
         self._handles: list = []
 
@@ -60,6 +60,7 @@ class MeasuredSwitch:
         """Start a guide run: take in the last measured run's parts (if its backward ran) and
         choose this run's gradient. Returns whether this run is measured."""
         self._collect()
+        self.seen = 0  # this run's sites with a random draw (checked)
         if not grad:
             return False
         self.runs += 1
@@ -125,6 +126,7 @@ class MeasuredSwitch:
                 "Normal sites only. Use trace_steps=N (a fixed number of Trace_ELBO steps), or "
                 "pyro_gradroute.infer.TraceAdaptiveSTL_ELBO(mix_gain=math.inf)"
             )
+        self.seen += 1
         ps = [t for t in (base.loc, base.scale) if t.requires_grad]
         if not ps:
             return

@@ -529,7 +529,9 @@ class StickTheLandingMessenger(SplitMessenger):
         if args[0] is None and not self._policy.active:
             if torch.is_grad_enabled():
                 self._policy.advance()
-            if self._switch is not None and not self._fast:
+            if self._switch is not None:
+                if self._fast and not self._switch.seen:
+                    self._warn_unchanged()
                 # the ordinary gradient on the default path (its sites unwrapped), which the
                 # switch measures at the sites' Normal parameters
                 self._fast, self._flows = True, False
@@ -544,15 +546,19 @@ class StickTheLandingMessenger(SplitMessenger):
                     r.stl and delta_base(r.fn) is None for r in self.batch.records.values()
                 )
                 self._fast, self._flows = _fast_enough(self.batch)
-            if not changed and not self._warned:
-                self._warned = True
-                warnings.warn(
-                    "stick_the_landing: the guide has no reparameterized site with a random draw "
-                    "(only Delta or non-reparameterized sites), so sticking the landing changes "
-                    "nothing.",
-                    stacklevel=2,
-                )
+            if not changed:
+                self._warn_unchanged()
         return super().__exit__(*args)
+
+    def _warn_unchanged(self) -> None:
+        if not self._warned:
+            self._warned = True
+            warnings.warn(
+                "stick_the_landing: the guide has no reparameterized site with a random draw "
+                "(only Delta or non-reparameterized sites), so sticking the landing changes "
+                "nothing.",
+                stacklevel=3,
+            )
 
 
 def _not_drawn(name: str) -> ValueError:

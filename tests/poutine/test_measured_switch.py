@@ -104,3 +104,16 @@ def test_state_pickles_with_the_handler():
         _grads(elbo, model, handler(guide), seed=i)
     policy = pickle.loads(pickle.dumps(handler._policy))
     assert policy.switch.stl == handler._switch.stl and policy.switch.n == handler._switch.n
+
+
+def test_a_guide_of_delta_sites_gets_the_warning_that_nothing_changes():
+    pyro.clear_param_store()
+    model, _ = normal_loc()
+
+    def delta_guide():
+        pyro.sample("loc", dist.Delta(pyro.param("m", torch.tensor(0.2))))
+
+    switched = stick_the_landing(delta_guide, switch="measured")
+    with pytest.warns(UserWarning, match="changes nothing"):
+        for i in range(3):
+            _grads(pinfer.Trace_ELBO(), model, switched, seed=i)
