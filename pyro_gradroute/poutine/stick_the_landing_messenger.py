@@ -384,6 +384,12 @@ class StickTheLandingMessenger(SplitMessenger):
         >>> svi = SVI(model, stick_the_landing(guide), pyro.optim.Adam({"lr": 0.1}),
         ...           TraceEnum_ELBO(max_plate_nesting=1))
         >>> loss = svi.step(torch.randn(5))
+
+    :param trace_steps: the first ``trace_steps`` guide runs with gradients keep the ordinary
+        gradient (see :class:`STLPolicy`).
+    :param switch: ``"measured"``: the ordinary gradient until the gradients at the guide
+        sites' ``Normal`` parameters measure sticking the landing better
+        (:class:`~pyro_gradroute.poutine.measured_switch.MeasuredSwitch`); ``None``: no switch.
     """
 
     def __init__(self, trace_steps: int = 0, switch: str | None = None) -> None:
