@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import torch
 from pyro.distributions.util import scale_and_mask
-from torch.distributions import Independent, Normal
+from torch.distributions import Independent, Normal, TransformedDistribution
 
-__all__ = ["plain_normal", "normal_score"]
+__all__ = ["plain_normal", "normal_pushforward", "normal_score"]
 
 
 def plain_normal(fn) -> tuple[Normal | None, int]:
@@ -52,6 +52,44 @@ def plain_normal(fn) -> tuple[Normal | None, int]:
     ):
         return fn, n
     return None, 0
+
+
+def normal_pushforward(fn) -> tuple[Normal | None, int, list]:
+    r"""``(base, event_ndims, transforms)``: :func:`plain_normal`, or a ``Normal`` pushed forward
+    by elementwise, bijective, parameter-free transforms (``LogNormal``, ``biject_to``'s
+    ``exp`` / ``sigmoid``), whose log-density at :math:`z` is the ``Normal``'s at
+    :math:`u = T^{-1}(z)` plus a Jacobian term free of :math:`\mu, \sigma`: its score part
+    at :math:`(\mu, \sigma)` is the ``Normal``'s at :math:`u`.
+
+    Example::
+
+        >>> import pyro.distributions as dist
+        >>> base, n, ts = normal_pushforward(dist.LogNormal(0.0, 1.0).expand([2]).to_event(1))
+        >>> type(base).__name__, n, [type(t).__name__ for t in ts]
+        ('Normal', 1, ['ExpTransform'])
+    """
+    n, transforms = 0, []
+    while True:
+        if isinstance(fn, Independent):
+            n += fn.reinterpreted_batch_ndims
+            fn = fn.base_dist
+        elif (
+            isinstance(fn, TransformedDistribution)
+            and type(fn).log_prob is TransformedDistribution.log_prob
+        ):
+            for t in fn.transforms:
+                if not (
+                    t.bijective
+                    and t.domain.event_dim == 0
+                    and t.codomain.event_dim == 0
+                    and not any(torch.is_tensor(v) and v.requires_grad for v in vars(t).values())
+                ):
+                    return None, 0, []
+            transforms = list(fn.transforms) + transforms
+            fn = fn.base_dist
+        else:
+            base, m = plain_normal(fn)
+            return (base, n + m, transforms) if base is not None else (None, 0, [])
 
 
 def normal_score(

@@ -28,8 +28,8 @@ import math
 import torch
 
 from ..distributions.detached import delta_base
-from ..distributions.normal import normal_score, plain_normal
-from ..routing import passes_product, reached_nodes, reaches_leaf_directly
+from ..distributions.normal import normal_pushforward, normal_score
+from ..routing import reached_nodes, reaches_leaf_directly
 
 __all__ = ["MeasuredSwitch"]
 
@@ -42,6 +42,14 @@ class MeasuredSwitch:
     :param decay: weight of the earlier runs' moments.
     :param warmup: measured runs before the switch may move.
     :param confidence: standard errors of the mean of :math:`d` needed to move.
+
+    Example (what ``stick_the_landing(guide, switch="measured")`` keeps)::
+
+        >>> sw = MeasuredSwitch(warmup=2)
+        >>> for d in (3.0, 2.5, 3.5, 2.9):  # STL's squared gradient keeps measuring smaller
+        ...     sw._add(d)
+        >>> sw.stl
+        True
     """
 
     def __init__(
@@ -77,7 +85,8 @@ class MeasuredSwitch:
         for c, seen, stl in pending:
             p = seen[0] if stl else seen[0] - c
             d += float(2 * (p * c).sum() + (c * c).sum())
-        self._add(d)
+        if math.isfinite(d):  # (a saturated pushforward's draw has no finite pre-image)
+            self._add(d)
 
     def _add(self, d: float) -> None:
         b = self.decay
@@ -103,7 +112,8 @@ class MeasuredSwitch:
         backward.
 
         Raises ``ValueError`` (naming the site) for a reparameterized site that is not a
-        plain ``Normal`` reading no earlier sample and no network.
+        ``Normal`` (or a ``Normal`` pushed forward by parameter-free bijections) whose
+        parameters read no earlier sample.
         """
         d = delta_base(site_fn)
         if d is not None:  # no draw of its own: a score part only where its density reads
@@ -113,32 +123,35 @@ class MeasuredSwitch:
                     raise ValueError(
                         f"stick_the_landing(switch='measured'): guide site '{name}' is a Delta "
                         "whose density reads parameters; the measured switch reads the score "
-                        "part of plain Normal sites only. Use trace_steps=N (a fixed number of "
+                        "part of Normal sites only. Use trace_steps=N (a fixed number of "
                         "Trace_ELBO steps), or pyro_gradroute.infer.TraceAdaptiveSTL_ELBO("
                         "mix_gain=math.inf)"
                     )
             return
-        base, nd = plain_normal(site_fn)
+        base, nd, transforms = normal_pushforward(site_fn)
         if base is None:
             raise ValueError(
                 f"stick_the_landing(switch='measured'): guide site '{name}' is a "
-                f"{type(site_fn).__name__}; the measured switch reads the score part of plain "
-                "Normal sites only. Use trace_steps=N (a fixed number of Trace_ELBO steps), or "
+                f"{type(site_fn).__name__}; the measured switch reads the score part of Normal "
+                "sites (and of Normals pushed forward by parameter-free bijections) only. Use trace_steps=N (a fixed number of Trace_ELBO steps), or "
                 "pyro_gradroute.infer.TraceAdaptiveSTL_ELBO(mix_gain=math.inf)"
             )
         self.seen += 1
         ps = [t for t in (base.loc, base.scale) if t.requires_grad]
         if not ps:
             return
-        if reached_nodes(ps, earlier_nodes) or passes_product(ps, earlier_nodes):
+        if reached_nodes(ps, earlier_nodes):
             raise ValueError(
                 f"stick_the_landing(switch='measured'): guide site '{name}' reads an earlier "
-                "sample or is computed by a network; the measured switch reads the score part "
-                "of Normal sites whose parameters are the guide's own. Use trace_steps=N, or "
+                "sample (a conditional guide); the measured switch reads the score part of "
+                "Normal sites whose parameters read no sample. Use trace_steps=N, or "
                 "pyro_gradroute.infer.TraceAdaptiveSTL_ELBO(mix_gain=math.inf)"
             )
         if not hook:
             return
+        with torch.no_grad():
+            for t in reversed(transforms):  # the Normal's own draw
+                value = t.inv(value)
         for _, t, c in normal_score(base, nd, value, scale, mask):
             seen: list = [None]
 

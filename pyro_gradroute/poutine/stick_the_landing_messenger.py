@@ -610,8 +610,9 @@ def stick_the_landing(
     (:class:`~pyro_gradroute.poutine.measured_switch.MeasuredSwitch`: from the gradient the
     backward sends to each site's ``Normal`` parameters, one run in 2, no extra backward). Each
     run's choice comes from earlier runs only, so every step is one of the two unbiased
-    estimators. It reads plain ``Normal`` sites whose parameters read no earlier sample and no
-    network; another reparameterized site raises a ``ValueError`` naming it.
+    estimators. It reads ``Normal`` sites (also pushed forward by parameter-free bijections,
+    as ``LogNormal``; amortized ones too) whose parameters read no earlier sample; another
+    reparameterized site raises a ``ValueError`` naming it.
 
     Example::
 
@@ -619,6 +620,7 @@ def stick_the_landing(
         >>> def guide():
         ...     pyro.sample("z", dist.Normal(pyro.param("m", torch.tensor(0.0)), 1.0))
         >>> stl_guide = stick_the_landing(guide)
+        >>> switched = stick_the_landing(guide, switch="measured")
         >>> with stick_the_landing():
         ...     guide()
 

@@ -4,9 +4,10 @@ Under Pyro's ``Trace_ELBO`` (the case's particles), every step of 12 must equal,
 seed, either Pyro's ``Trace_ELBO`` with the plain guide or the STL reference built from Pyro's
 traces (``checks.stl_reference_grad``; the handler's own STL where the same-draw reference
 does not cover the guide): the switch never mixes, and each run's choice comes from earlier
-runs. The first step is ``Trace_ELBO``'s. A case the switch cannot read (a reparameterized
-site that is not a plain ``Normal`` whose parameters read no earlier sample and no network)
-raises a ``ValueError`` naming the site and ``trace_steps``: the cell checks that it does.
+runs. The first step is ``Trace_ELBO``'s. A case the switch cannot read
+(a reparameterized site that is not a ``Normal``, or a ``Normal`` pushed forward by
+parameter-free bijections, whose parameters read no earlier sample) raises a ``ValueError``
+naming the site and ``trace_steps``: the cell checks that it does.
 """
 
 from __future__ import annotations
@@ -72,8 +73,9 @@ def check(case) -> str:
         return "checked"
 
 
-#: the cases the switch reads (every reparameterized guide site a plain Normal of its own
-#: parameters); the others raise, naming a site
+#: the cases the switch reads (every reparameterized guide site a Normal, or a Normal pushed
+#: forward by parameter-free bijections, whose parameters read no earlier sample); the others
+#: raise, naming a site
 READS = {
     "AutoNormal",
     "AutoDiagonalNormal",
@@ -81,6 +83,10 @@ READS = {
     "AutoGuideList",
     "chain1",
     "nested_plates",
+    "ComposeTransform",
+    "sigmoid_tail",
+    "amortized",
+    "subsample_all",
     "subsample_inner",
     "scale_tensor",
     "mask",
