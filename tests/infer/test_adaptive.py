@@ -1084,3 +1084,19 @@ def test_one_pass_falls_back_to_trace_elbo_where_a_later_trace_does_not_qualify(
         Trace_ELBO(max_plate_nesting=1), conditional_model, conditional_guide, 32, X
     )
     assert not torch.allclose(ours["a"], unrouted["a"])
+
+
+def test_a_used_one_pass_estimator_pickles_and_takes_the_same_step():
+    import pickle
+
+    _mean_field_guide(X)
+    elbo = TraceAdaptiveSTL_ELBO(mix_gain=None)
+    for seed in range(8):
+        grads_on_seed(elbo, _mean_field_model, _mean_field_guide, seed, X)
+    assert elbo._one_pass is True
+    clone = pickle.loads(pickle.dumps(elbo))
+    assert_same(
+        grads_on_seed(clone, _mean_field_model, _mean_field_guide, 40, X),
+        grads_on_seed(elbo, _mean_field_model, _mean_field_guide, 40, X),
+        atol=0,
+    )
