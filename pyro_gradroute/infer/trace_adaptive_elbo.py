@@ -1035,9 +1035,9 @@ class TraceAdaptiveSTL_ELBO(_AdaptiveMixin, TraceSTL_ELBO):
       settings and initialisations, 1000 steps, 5 paired seeds, final ELBO from 2000
       draws), paired difference to Pyro's ``Trace_ELBO`` / to STL: eight schools
       (Pyro's ``svi.py``, ``0.1 * rand`` scales) +0.01 +/- 0.02 / +3.22 +/- 0.30; the
-      Bayesian-regression tutorial (``AutoDiagonalNormal``, diabetes) +1.23 +/- 0.56 /
-      +0.04 +/- 0.05; a hierarchical model with ``AutoNormal`` (J=50) +6.99 +/- 0.16 /
-      +15.78 +/- 0.22. At equal CPU time on real models: ``benchmarks/bench_convergence.py``.
+      Bayesian-regression tutorial (``AutoDiagonalNormal``, diabetes) +1.26 +/- 0.61 /
+      +0.07 +/- 0.04; a hierarchical model with ``AutoNormal`` (J=50) +6.90 +/- 0.18 /
+      +15.69 +/- 0.24. At equal CPU time on real models: ``benchmarks/bench_convergence.py``.
 
     **Unbiasedness condition.** Step :math:`t` applies :math:`b_t` computed from steps
     :math:`< t` only (the moments are updated *after* the step's gradient is formed).

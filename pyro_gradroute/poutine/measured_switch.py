@@ -53,7 +53,7 @@ class MeasuredSwitch:
     """
 
     def __init__(
-        self, every: int = 2, decay: float = 0.9, warmup: int = 5, confidence: float = 2.0
+        self, every: int = 4, decay: float = 0.9, warmup: int = 10, confidence: float = 3.0
     ):
         self.every, self.decay, self.warmup, self.confidence = every, decay, warmup, confidence
         self.stl = False

@@ -396,6 +396,7 @@ class StickTheLandingMessenger(SplitMessenger):
         self._policy = STLPolicy("sticking the landing", trace_steps)
         self._switch = self._policy.switch = check_switch(switch)
         self._measuring = False  # whether this run's Normal sites are measured for the switch
+        self._classified = False  # whether a general run sticking the landing classified the sites
         super().__init__(self._new_batch())
         self._fast = False  # the first run takes the general split and finds what the guide needs
         self._flows = False  # whether the default path met a flow site (not under the JIT)
@@ -412,9 +413,8 @@ class StickTheLandingMessenger(SplitMessenger):
         if self._fast and self._flows and torch.jit.is_tracing():
             self._fast = False  # a flow's forward-carried rules cannot be traced: the general split
         if self._switch is not None:  # the runs before chose this run's gradient
-            was = self._switch.stl
             self._measuring = self._switch.begin(torch.is_grad_enabled()) and self._fast
-            if self._switch.stl and not was:
+            if self._policy.active and not self._classified:
                 self._fast = self._measuring = False  # the first STL run classifies the sites
         if self._fast:
             self._run = _Run(self, self._policy.active)
@@ -437,6 +437,8 @@ class StickTheLandingMessenger(SplitMessenger):
             return  # observed, or a value another handler supplies (the model, under replay)
         if not self._fast:
             return super()._pyro_sample(msg) if self._latent(msg) else None
+        if self._switch is not None and not self._run.stl and not self._measuring:
+            return  # the ordinary gradient, not measured: the guide runs exactly as under Pyro
         fn = msg["fn"]
         gated = type(fn) is GatedDistribution
         base = fn.base_dist if gated else fn
@@ -536,7 +538,7 @@ class StickTheLandingMessenger(SplitMessenger):
             if torch.is_grad_enabled():
                 self._policy.advance()
             if self._switch is not None:
-                if self._fast and not self._switch.seen:
+                if self._fast and self._measuring and not self._switch.seen:
                     self._warn_unchanged()
                 # the ordinary gradient on the default path (its sites unwrapped), which the
                 # switch measures at the sites' Normal parameters
@@ -552,6 +554,7 @@ class StickTheLandingMessenger(SplitMessenger):
                     r.stl and delta_base(r.fn) is None for r in self.batch.records.values()
                 )
                 self._fast, self._flows = _fast_enough(self.batch)
+                self._classified = True
             if not changed:
                 self._warn_unchanged()
         return super().__exit__(*args)

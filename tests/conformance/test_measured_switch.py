@@ -4,7 +4,8 @@ Under Pyro's ``Trace_ELBO`` (the case's particles), every step of 12 must equal,
 seed, either Pyro's ``Trace_ELBO`` with the plain guide or the STL reference built from Pyro's
 traces (``checks.stl_reference_grad``; the handler's own STL where the same-draw reference
 does not cover the guide): the switch never mixes, and each run's choice comes from earlier
-runs. The first step is ``Trace_ELBO``'s. A case the switch cannot read
+runs. The first step is ``Trace_ELBO``'s; the second half of the steps run in the switch's
+STL state (set by the cell) and must be STL's. A case the switch cannot read
 (a reparameterized site that is not a ``Normal``, or a ``Normal`` pushed forward by
 parameter-free bijections, whose parameters read no earlier sample) raises a ``ValueError``
 naming the site and ``trace_steps``: the cell checks that it does.
@@ -53,10 +54,13 @@ def _stl(c, seed):
 
 def check(case) -> str:
     with cell(case) as c:
-        switched = stick_the_landing(c.guide, switch="measured")
+        handler = stick_the_landing(switch="measured")
+        switched = handler(c.guide)
         rtol, atol = _tols(case.dtype)
         ends = []
         for seed in range(STEPS):
+            if seed == STEPS // 2:  # the second half in the switch's STL state
+                handler._switch.stl = True
             try:
                 g = _grad(c, switched, 300 + seed)
             except ValueError as e:
@@ -70,6 +74,15 @@ def check(case) -> str:
             assert is_trace or is_stl, f"{case.name}: step {seed} is neither Trace_ELBO's nor STL's"
             ends.append(is_trace)
         assert ends[0], f"{case.name}: the first step is not Trace_ELBO's"
+        if not all(ends[STEPS // 2 :]):  # (a guide whose STL equals Trace_ELBO: both match)
+            assert not any(
+                e
+                and not torch.allclose(
+                    _stl(c, 300 + i), reference_grad(c, "Trace", 300 + i, c.model, c.guide)
+                )
+                for i, e in enumerate(ends)
+                if i >= STEPS // 2
+            ), f"{case.name}: a step in the STL state is Trace_ELBO's"
         return "checked"
 
 

@@ -53,7 +53,7 @@ def _which(steps, atol=1e-6):
 def test_at_the_exact_posterior_it_moves_to_stl():
     pyro.clear_param_store()
     model, guide = normal_loc()
-    ends = _which(_run(model, guide, pinfer.Trace_ELBO(), 30))
+    ends = _which(_run(model, guide, pinfer.Trace_ELBO(), 70))
     assert ends[0] == "trace"  # the first run: Trace_ELBO's gradient
     assert ends[-5:] == ["stl"] * 5
 
@@ -88,9 +88,9 @@ def test_sites_it_cannot_read_are_refused_naming_them():
 
     elbo = pinfer.Trace_ELBO()
     switched = stick_the_landing(gamma_guide, switch="measured")
-    elbo.loss_and_grads(model, switched)  # the first run takes the general split
     with pytest.raises(ValueError, match="site 'loc' is a Gamma.*trace_steps"):
-        elbo.loss_and_grads(model, switched)
+        for _ in range(8):  # at the first measured run
+            elbo.loss_and_grads(model, switched)
     with pytest.raises(ValueError, match="switch must be None or 'measured'"):
         stick_the_landing(gamma_guide, switch="auto")
 
@@ -115,5 +115,5 @@ def test_a_guide_of_delta_sites_gets_the_warning_that_nothing_changes():
 
     switched = stick_the_landing(delta_guide, switch="measured")
     with pytest.warns(UserWarning, match="changes nothing"):
-        for i in range(3):
+        for i in range(8):
             _grads(pinfer.Trace_ELBO(), model, switched, seed=i)
