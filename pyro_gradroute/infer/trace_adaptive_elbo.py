@@ -1422,17 +1422,10 @@ class TraceAdaptiveSTL_ELBO(_AdaptiveMixin, TraceSTL_ELBO):
             self._cv.update_many(keys, [acc[k][0] for k in keys], [acc[k][1] for k in keys])
             self._key = self._cv._SEP.join(keys)
             self._gate_layout = [(k, tuple(params[k].shape)) for k in sorted(params)]
-            if feed and params:
-                zero = torch.zeros_like
-                g = [params[k].grad for k in sorted(params)]
-                self._gate.update(
-                    torch.cat(
-                        [
-                            (zero(p) if x is None else x).reshape(-1)
-                            for p, x in zip((params[k] for k in sorted(params)), g)
-                        ]
-                    )
-                )
+            if feed and params:  # the step's own gradient, in the gate layout's order
+                ps = [params[k] for k in sorted(params)]
+                gs = [(torch.zeros_like(p) if p.grad is None else p.grad).reshape(-1) for p in ps]
+                self._gate.update(torch.cat(gs))
         for p, old in saved.items():  # add back what .grad held before the step
             if old is not None:
                 p.grad = old if p.grad is None else old.add_(p.grad)

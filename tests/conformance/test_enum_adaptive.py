@@ -34,6 +34,8 @@ from torch.distributions import constraints
 from pyro_gradroute.infer import TraceEnumAdaptiveSTL_ELBO
 from pyro_gradroute.poutine import block_grad, stick_the_landing
 
+from .test_adaptive_policy import _quiet_gate, _settled_as_good, open_gate
+
 DATA = torch.tensor([-2.1, -1.8, -2.4, -0.3, 1.9, 2.2, 2.5, 0.4])
 
 
@@ -138,7 +140,7 @@ def _endpoint(name, measured, prepare, what):
     model, guide = _build(name)
     for end in (1.0, 0.0):
         elbo = _ours()
-        elbo._gate.known, elbo._gate.bound = (lambda: True), (lambda: math.inf)
+        open_gate(elbo._gate)
         for seed in range(100, 100 + measured):
             _grads(elbo, model, guide, seed)
         prepare(elbo, end)
@@ -149,27 +151,12 @@ def _endpoint(name, measured, prepare, what):
         _close(g, trace if end == 1.0 else stl, f"{name}: {what} at b = {end}")
 
 
-def _settled(elbo, end):
-    for st in elbo._cv.state.values():
-        st["n"], st["age"] = 10**6, -(10**6)
-        fit = elbo._cv._fit(st)
-        fit["b"] = torch.full_like(fit["b"], 0.5)
-        fit["direct"] = end
-        st["fit"] = fit
-    elbo._unmeasured = 0
-
-
-def _quiet(elbo, end):
-    elbo._gate.reset(end)
-    elbo._gate.known, elbo._gate.bound = (lambda: True), (lambda: 1.0)
-
-
 def check_direct(name):
-    _endpoint(name, 2, _settled, "direct step")
+    _endpoint(name, 2, _settled_as_good, "direct step")
 
 
 def check_gate(name):
-    _endpoint(name, 1, _quiet, "gate's step")
+    _endpoint(name, 1, _quiet_gate, "gate's step")
 
 
 def check_switch(name):
