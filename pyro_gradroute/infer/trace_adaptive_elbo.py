@@ -1509,8 +1509,8 @@ class TraceEnumAdaptiveSTL_ELBO(TraceAdaptiveSTL_ELBO):
     every guide site with a score part must be a plain ``Normal`` whose ``loc`` and ``scale``
     read no earlier sample (``AutoNormal``, ``AutoDiagonalNormal`` and mean-field guides of
     the continuous sites): other guides raise a ``ValueError`` naming the site. Gate, policy
-    and arguments are :class:`TraceAdaptiveSTL_ELBO`'s; ``max_plate_nesting`` must be given
-    (as for ``TraceEnum_ELBO``). ``block_grad`` routes, vectorized particles, distributed runs
+    and arguments are :class:`TraceAdaptiveSTL_ELBO`'s; ``max_plate_nesting`` is best given
+    (``TraceEnum_ELBO`` guesses it otherwise, once). ``block_grad`` routes, vectorized particles, distributed runs
     and ``differentiable_loss`` are not supported (each raises, saying what to use).
 
     Example::
@@ -1580,12 +1580,16 @@ class TraceEnumAdaptiveSTL_ELBO(TraceAdaptiveSTL_ELBO):
             "pyro_gradroute.poutine.stick_the_landing (trace_steps=N to start at TraceEnum_ELBO)"
         )
 
+    def _sync(self) -> None:
+        if self.max_plate_nesting != math.inf:  # (else TraceEnum_ELBO keeps the one it guessed)
+            self._trace.max_plate_nesting = self.max_plate_nesting
+
     def _particles(self, model, guide, args, kwargs):
-        self._trace.max_plate_nesting = self.max_plate_nesting
+        self._sync()
         return trace_enum_elbo_particles(self._trace, model, guide, args, kwargs)
 
     def _endpoint_step(self, end: float, model, guide, args, kwargs) -> float:
-        self._trace.max_plate_nesting = self.max_plate_nesting
+        self._sync()
         if end != 1.0:
             guide = stick_the_landing(guide)
         return self._trace.loss_and_grads(model, guide, *args, **kwargs)
