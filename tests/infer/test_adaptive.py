@@ -1100,3 +1100,19 @@ def test_a_used_one_pass_estimator_pickles_and_takes_the_same_step():
         grads_on_seed(elbo, _mean_field_model, _mean_field_guide, 40, X),
         atol=0,
     )
+
+
+@pytest.mark.parametrize("b", [0.0, -0.5, 2.0])
+def test_one_pass_step_with_a_loop_over_particles(b):
+    """num_particles=3 (a loop): the one-pass step averages the particles' parts; with b frozen
+    it equals (1 - b) STL + b Trace_ELBO with the same particles, on the same seed."""
+    _mean_field_guide(X)
+    elbo = TraceAdaptiveSTL_ELBO(num_particles=3, fixed_weight=b)
+    assert _one_pass_after_first(elbo, _mean_field_model, _mean_field_guide, X) is True
+    ours = grads_on_seed(elbo, _mean_field_model, _mean_field_guide, 51, X)
+    trace = grads_on_seed(
+        PyroTrace_ELBO(num_particles=3), _mean_field_model, _mean_field_guide, 51, X
+    )
+    stl = grads_on_seed(TraceSTL_ELBO(num_particles=3), _mean_field_model, _mean_field_guide, 51, X)
+    for k in ours:
+        torch.testing.assert_close(ours[k], (1 - b) * stl[k] + b * trace[k])
