@@ -1561,7 +1561,7 @@ class TraceEnumAdaptiveSTL_ELBO(TraceAdaptiveSTL_ELBO):
             )
         return super().loss_and_grads(model, guide, *args, **kwargs)
 
-    def differentiable_loss(self, model, guide, *args, **kwargs):
+    def differentiable_loss(self, model, guide, *args, **kwargs) -> torch.Tensor:
         raise NotImplementedError(
             f"{type(self).__name__} forms its gradient with hooks in loss_and_grads (SVI's "
             "path); for a loss tensor use pyro.infer.TraceEnum_ELBO(...).differentiable_loss "
