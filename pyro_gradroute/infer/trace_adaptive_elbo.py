@@ -23,11 +23,12 @@ from pyro.infer import Trace_ELBO as _PyroTrace_ELBO
 from pyro.infer import TraceEnum_ELBO as _PyroTraceEnum_ELBO
 from pyro.util import warn_if_nan
 from torch.distributions import TransformedDistribution
+from torch.distributions.transforms import ExpTransform
 
 from .. import routing
 from .._compat import trace_elbo_particles, trace_enum_elbo_particles
 from ..distributions.detached import delta_base, is_delta
-from ..distributions.normal import normal_score, plain_normal
+from ..distributions.normal import normal_pushforward, normal_score
 from ..poutine.pathwise import frontier, latent_site
 from ..poutine.split_distribution import SplitDistribution
 from ..poutine.stick_the_landing_messenger import stick_the_landing, uses_pathwise
@@ -873,8 +874,9 @@ def _one_pass_sites(guide_trace, why: list | None = None) -> list[tuple] | None:
             why.append(f"guide site '{name}' is not reparameterized")
             return None
         elif uses_pathwise(site):
-            base, nd = plain_normal(fn)
-            if base is None:
+            base, nd, transforms = normal_pushforward(fn)
+            if base is None or any(type(t) is not ExpTransform for t in transforms):
+                # (exp's pre-image, log, is exact to round-off: a log-normal site qualifies)
                 why.append(f"guide site '{name}' is a {type(fn).__name__}, not a plain Normal")
                 return None
             ps = [t for t in (base.loc, base.scale) if t.requires_grad]
@@ -892,7 +894,7 @@ def _one_pass_sites(guide_trace, why: list | None = None) -> list[tuple] | None:
                 ):
                     why.append(f"guide site '{name}' is in a subsampled plate")
                     return None
-                out.append((name, base, nd))
+                out.append((name, base, nd, len(transforms)))
         if torch.is_tensor(value) and value.grad_fn is not None:
             nodes[value.grad_fn] = len(nodes)
     return out
@@ -1360,11 +1362,12 @@ class TraceAdaptiveSTL_ELBO(_AdaptiveMixin, TraceSTL_ELBO):
             ok = sites is not None
             entries, parts = [], []
             if ok:
-                for name, base, nd in sites:
+                for name, base, nd, exps in sites:
                     site = guide_trace.nodes[name]
-                    for part, t, c in normal_score(
-                        base, nd, site["value"], site["scale"], site["mask"]
-                    ):
+                    value = site["value"].detach()
+                    for _ in range(exps):  # the Normal's own draw under exp transforms
+                        value = value.log()
+                    for part, t, c in normal_score(base, nd, value, site["scale"], site["mask"]):
                         parts.append((f"{name}.{part}", t, c / n if n > 1 else c))
                 parts.sort(key=lambda x: x[0])
                 names = [k for k, _, _ in parts]

@@ -648,6 +648,24 @@ def _compose_transform():
     return Built(m.model, guide, (), exact)
 
 
+def _lognormal():
+    """Log-normal posterior; guide ``dist.LogNormal`` (a Normal pushed forward by exp): exact."""
+    m = conjugate.LogNormalModel()
+
+    def guide():
+        loc = pyro.param("ln_loc", torch.tensor(0.2))
+        scale = pyro.param("ln_scale", torch.tensor(0.6), constraint=constraints.positive)
+        pyro.sample("z", dist.LogNormal(loc, scale))
+
+    _init(m.model, guide, ())
+
+    def exact():
+        mean, sd = m.posterior_log()
+        set_params({"ln_loc": mean, "ln_scale": sd})
+
+    return Built(m.model, guide, (), exact)
+
+
 def _spline():
     m = conjugate.GaussianModel(D=1, n=3)
     flow = dist.transforms.Spline(1, count_bins=4, bound=4.0)
@@ -874,6 +892,7 @@ CASES: list[Case] = [
     Case("LocScaleReparam", _loc_scale_reparam, Route(("x",), ("AutoNormal.locs.mu",))),
     Case("TransformReparam", _transform_reparam, Route(("x",), ("AutoNormal.locs.z_base",))),
     Case("ComposeTransform", _compose_transform, Route(("x",), ("ct_loc",))),
+    Case("LogNormal", _lognormal, Route(("x",), ("ln_loc",))),
     Case("spline", _spline, Route(("x",), ("spline$$$*",))),
     Case(
         "RejectionGamma",

@@ -62,6 +62,7 @@ ONE_PASS = {
     "obs_mask",
     "LocScaleReparam",
     "TransformReparam",
+    "LogNormal",
     "sigmoid_tail_AutoNormal",
 }
 

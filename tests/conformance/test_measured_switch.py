@@ -97,6 +97,7 @@ READS = {
     "chain1",
     "nested_plates",
     "ComposeTransform",
+    "LogNormal",
     "sigmoid_tail",
     "amortized",
     "subsample_all",

@@ -1029,6 +1029,26 @@ def _lognormal_guide(x):
     pyro.sample("mu", dist.LogNormal(loc, sc).to_event(1))
 
 
+def _gamma_guide(x):
+    c = pyro.param("q_c", torch.tensor([2.0, 3.0]), constraint=constraints.positive)
+    pyro.sample("mu", dist.Gamma(c, 1.0).to_event(1))
+
+
+@pytest.mark.parametrize("b", [0.0, -0.5, 2.0])
+def test_one_pass_step_reads_a_log_normal_site_at_its_normal(b):
+    """A LogNormal site (a Normal pushed forward by exp) takes one pass, its score part read at
+    the Normal's loc/scale at log(z): with b frozen the step is (1 - b) STL + b Trace_ELBO on the
+    same seed."""
+    _lognormal_guide(X)
+    elbo = TraceAdaptiveSTL_ELBO(fixed_weight=b)
+    assert _one_pass_after_first(elbo, _mean_field_model, _lognormal_guide, X) is True
+    ours = grads_on_seed(elbo, _mean_field_model, _lognormal_guide, 61, X)
+    trace = grads_on_seed(PyroTrace_ELBO(), _mean_field_model, _lognormal_guide, 61, X)
+    stl = grads_on_seed(TraceSTL_ELBO(), _mean_field_model, _lognormal_guide, 61, X)
+    for k in ours:
+        torch.testing.assert_close(ours[k], (1 - b) * stl[k] + b * trace[k])
+
+
 def _encoder_guide(x):
     w = pyro.param("enc_w", torch.full((len(x), 4), 0.1))
     h = x @ w  # an encoder layer: each output mixes every input
@@ -1041,7 +1061,8 @@ def test_one_pass_only_where_the_guide_allows_it():
     for model, guide, expected in [
         (_mean_field_model, _mean_field_guide, True),
         (conditional_model, conditional_guide, False),  # z's loc reads mu
-        (_mean_field_model, _lognormal_guide, False),  # not a Normal
+        (_mean_field_model, _lognormal_guide, True),  # a Normal pushed forward by exp
+        (_mean_field_model, _gamma_guide, False),  # not a Normal
         (conditional_model, block_grad(conditional_guide, sites=["z"], params=["a"]), False),
         (_mean_field_model, _encoder_guide, False),  # amortized: loc from a network layer
     ]:
@@ -1054,18 +1075,18 @@ def test_one_pass_falls_back_to_trace_elbo_where_a_later_trace_does_not_qualify(
     """A guide whose family changes after the path was chosen: that step is Pyro's Trace_ELBO
     on the same seed (b = 1, nothing measured), and later measured steps take the general path;
     a block_grad route that appears later is the routed Trace_ELBO's step."""
-    flag = {"lognormal": False}
+    flag = {"gamma": False}
 
     def guide(x):
-        if flag["lognormal"]:
-            _lognormal_guide(x)
+        if flag["gamma"]:
+            _gamma_guide(x)
         else:
             _mean_field_guide(x)
 
     _mean_field_guide(X)
     elbo = TraceAdaptiveSTL_ELBO(fixed_weight=0.0)
     assert _one_pass_after_first(elbo, _mean_field_model, guide, X) is True
-    flag["lognormal"] = True
+    flag["gamma"] = True
     before = {k: st["n"] for k, st in elbo._cv.state.items()}
     ours = grads_on_seed(elbo, _mean_field_model, guide, 31, X)
     assert {k: st["n"] for k, st in elbo._cv.state.items()} == before
