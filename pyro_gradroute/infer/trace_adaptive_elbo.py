@@ -1062,7 +1062,8 @@ class TraceAdaptiveSTL_ELBO(_AdaptiveMixin, TraceSTL_ELBO):
     parameters (one fit and one update per step; the fit recomputed every 4 steps after
     the first 5 past warm-up). It costs about 1.3-1.45 ``Trace_ELBO`` steps on small
     models. **One pass where the guide allows it:** where every guide site with a score
-    part is a plain ``Normal`` (``Independent`` and ``expand`` of one) whose ``loc`` and
+    part is a plain ``Normal`` (``Independent`` and ``expand`` of one, or a ``LogNormal``: its
+    score part read at the ``Normal``'s draw ``log z``) whose ``loc`` and
     ``scale`` read no earlier sample, lie in no subsampled plate and come from no matrix
     product (``AutoNormal``, ``AutoDiagonalNormal``, hand-written mean-field guides; not an
     amortized encoder), measured steps after the first are Pyro's ``Trace_ELBO`` step with
