@@ -1036,7 +1036,7 @@ class TraceAdaptiveSTL_ELBO(_AdaptiveMixin, TraceSTL_ELBO):
       that is measured. ``python benchmarks/bench_adaptive.py --training`` (Pyro's
       settings and initialisations, 1000 steps, 5 paired seeds, final ELBO from 2000
       draws), paired difference to Pyro's ``Trace_ELBO`` / to STL: eight schools
-      (Pyro's ``svi.py``, ``0.1 * rand`` scales) +0.01 +/- 0.02 / +3.22 +/- 0.30; the
+      (Pyro's ``svi.py``, ``0.1 * rand`` scales) +0.04 +/- 0.02 / +3.24 +/- 0.30; the
       Bayesian-regression tutorial (``AutoDiagonalNormal``, diabetes) +1.26 +/- 0.61 /
       +0.07 +/- 0.04; a hierarchical model with ``AutoNormal`` (J=50) +6.90 +/- 0.18 /
       +15.69 +/- 0.24. At equal CPU time on real models: ``benchmarks/bench_convergence.py``.
