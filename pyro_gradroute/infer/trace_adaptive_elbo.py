@@ -29,7 +29,7 @@ from .. import routing
 from .._compat import trace_elbo_particles, trace_enum_elbo_particles
 from ..distributions.detached import delta_base, is_delta
 from ..distributions.normal import normal_pushforward, normal_score
-from ..poutine.pathwise import frontier, latent_site
+from ..poutine.pathwise import NeedsGeneralSplit, frontier, latent_site, site_pathwise
 from ..poutine.split_distribution import SplitDistribution
 from ..poutine.stick_the_landing_messenger import stick_the_landing, uses_pathwise
 from ..routing import passes_product, reaches_leaf_directly
@@ -836,11 +836,13 @@ def _score_tensor(site):
 
 
 def _one_pass_sites(guide_trace, why: list | None = None) -> list[tuple] | None:
-    """``[(name, normal, event_ndims)]`` of the guide sites whose score part a one-pass step
-    reads at their ``Normal``'s parameters, or ``None`` where the guide needs the general step.
+    """``[(name, normal, event_ndims, exps)]`` of the guide sites whose score part a one-pass
+    step reads at their ``Normal``'s parameters (``exps``: how many ``exp`` transforms push the
+    ``Normal`` forward), or ``None`` where the guide needs the general step.
 
     Every latent guide site must be reparameterized, and each that takes the pathwise gradient
-    (:func:`uses_pathwise`) a plain ``Normal`` (:func:`plain_normal`) whose ``loc`` and
+    (:func:`uses_pathwise`) a plain ``Normal``, or one pushed forward by ``exp``
+    (:func:`~pyro_gradroute.distributions.normal.normal_pushforward`), whose ``loc`` and
     ``scale`` read no earlier sample, drawn by that ``Normal`` (its value carries the
     parameters' graph), outside a subsampled plate (an element of the moments is then the
     same parameter on every step); or a ``Delta`` whose density and value reach the
@@ -856,14 +858,10 @@ def _one_pass_sites(guide_trace, why: list | None = None) -> list[tuple] | None:
             why.append(f"guide site '{name}' is enumerated or a subsample site")
             return None
         fn, value = site["fn"], site["value"]
-        d = delta_base(fn)
-        if d is not None:
-            ld = d.log_density
-            if (
-                torch.is_tensor(ld)
-                and ld.requires_grad
-                and reaches_leaf_directly(ld, stop_nodes=nodes)
-            ):
+        if delta_base(fn) is not None:
+            try:  # (a Delta whose density reads parameters needs the general split)
+                site_pathwise(name, fn, value, [], nodes)
+            except NeedsGeneralSplit:
                 why.append(f"guide site '{name}' is a Delta whose density reads parameters")
                 return None
             if site["infer"].get("is_auxiliary") and torch.is_tensor(value) and value.requires_grad:
@@ -1195,8 +1193,10 @@ class TraceAdaptiveSTL_ELBO(_AdaptiveMixin, TraceSTL_ELBO):
         kwargs.pop("trace_steps", None)
         # a direct Trace_ELBO step is Pyro's own; where the last measured step had block_grad
         # routes, the routed Trace_ELBO's (Pyro's gates cannot route REINFORCE terms)
-        self._trace = _PyroTrace_ELBO(num_particles, max_plate_nesting, *args, **kwargs)
+        self._trace = self._PYRO(num_particles, max_plate_nesting, *args, **kwargs)
         self._routed_trace = Trace_ELBO(num_particles, max_plate_nesting, *args, **kwargs)
+
+    _PYRO = _PyroTrace_ELBO  # Pyro's estimator whose steps the direct and one-pass steps are
 
     #: while the policy keeps choosing the same endpoint, the parts are measured on one step
     #: in ``_MEASURE_EVERY``, then in twice as many after each measurement that confirms the
@@ -1346,6 +1346,7 @@ class TraceAdaptiveSTL_ELBO(_AdaptiveMixin, TraceSTL_ELBO):
         trace = self._trace
         n = self.num_particles
         loss, ok, keys, bs, feed, routed, const = 0.0, True, None, None, False, False, 1.0
+        key = ""  # the joint state's name (set with keys)
         acc: dict[str, list] = {}
         params: dict[str, torch.Tensor] = {}
         saved: dict[torch.Tensor, torch.Tensor | None] = {}
@@ -1373,8 +1374,7 @@ class TraceAdaptiveSTL_ELBO(_AdaptiveMixin, TraceSTL_ELBO):
                 parts.sort(key=lambda x: x[0])
                 names = [k for k, _, _ in parts]
                 if keys is None:
-                    keys = names
-                    key = self._cv._SEP.join(keys)
+                    keys, key = names, self._cv._SEP.join(names)
                     # a step at the gate's endpoint: its gradient feeds the gate
                     const = self._cv.constant_weight(key)
                     feed = self._cv.mix_gain is not None and const == self._gate.e
@@ -1387,10 +1387,9 @@ class TraceAdaptiveSTL_ELBO(_AdaptiveMixin, TraceSTL_ELBO):
                 else:
                     entries = [(t, (b - 1) * c) for (_, t, c), b in zip(parts, bs)]
                 for p in _trace_params(guide_trace):
-                    if _param_key(p) not in params:
-                        params[_param_key(p)] = p
-                        saved[p] = p.grad  # the step's own gradient, for the gate
-                        p.grad = None
+                    if p not in saved:
+                        params[_param_key(p)], saved[p] = p, p.grad  # the step's own gradient,
+                        p.grad = None  # for the gate
             if not getattr(surrogate, "requires_grad", False) or not any(
                 site["type"] == "param"
                 for tr in (model_trace, guide_trace)
@@ -1420,11 +1419,11 @@ class TraceAdaptiveSTL_ELBO(_AdaptiveMixin, TraceSTL_ELBO):
         self._routed = routed
         measured = ok and keys and len(acc) == len(keys)
         if measured:
-            if self._key is not None and self._key != self._cv._SEP.join(keys):
+            if self._key is not None and self._key != key:
                 self._cv.state.pop(self._key, None)  # the general path's state (a first step)
                 self._cv.layouts.pop(self._key, None)
             self._cv.update_many(keys, [acc[k][0] for k in keys], [acc[k][1] for k in keys])
-            self._key = self._cv._SEP.join(keys)
+            self._key = key
             self._gate_layout = [(k, tuple(params[k].shape)) for k in sorted(params)]
             if feed and params:  # the step's own gradient, in the gate layout's order
                 ps = [params[k] for k in sorted(params)]
@@ -1550,9 +1549,9 @@ class TraceEnumAdaptiveSTL_ELBO(TraceAdaptiveSTL_ELBO):
                 f"{type(self).__name__}: vectorize_particles is not supported; use "
                 "num_particles without vectorize_particles (a loop over particles)"
             )
-        opts = {k: v for k, v in kwargs.items() if k not in _ADAPTIVE_ARGS}
-        self._trace = _PyroTraceEnum_ELBO(num_particles, max_plate_nesting, *args, **opts)
         self._trace.retain_graph = True  # as TraceEnum_ELBO's own backward
+
+    _PYRO = _PyroTraceEnum_ELBO
 
     def _refuse_enumeration(self, model_trace, guide_trace) -> None:
         pass  # enumeration is what this estimator is for
@@ -1597,22 +1596,6 @@ class TraceEnumAdaptiveSTL_ELBO(TraceAdaptiveSTL_ELBO):
         if end != 1.0:
             guide = stick_the_landing(guide)
         return self._trace.loss_and_grads(model, guide, *args, **kwargs)
-
-
-#: TraceAdaptiveSTL_ELBO's own keyword arguments (not Pyro's ELBO's)
-_ADAPTIVE_ARGS = frozenset(
-    {
-        "decay",
-        "clip",
-        "warmup",
-        "confidence",
-        "fixed_weight",
-        "center",
-        "distributed",
-        "mix_gain",
-        "trace_steps",
-    }  # fmt: skip
-)
 
 
 # ----------------------------------------------------------------------------- DReG

@@ -29,7 +29,8 @@ import torch
 
 from ..distributions.detached import delta_base
 from ..distributions.normal import normal_pushforward, normal_score
-from ..routing import reached_nodes, reaches_leaf_directly
+from ..routing import reached_nodes, taps
+from .pathwise import NeedsGeneralSplit, site_pathwise
 
 __all__ = ["MeasuredSwitch"]
 
@@ -60,8 +61,9 @@ class MeasuredSwitch:
         self.runs = 0
         self.w1 = self.w2 = self.s1 = self.s2 = 0.0
         self.n = self.seen = 0
-        self._pending: list = []  # [(c, seen)] of the measured run whose backward is awaited
-        self._handles: list = []
+        self._pending: list = []  # [(tensor, c)] of the measured run whose backward is awaited
+        self._stl = False  # the measured run's state
+        self._taps: taps | None = None
 
     # -- between runs -------------------------------------------------------------------
     def begin(self, grad: bool) -> bool:
@@ -74,16 +76,25 @@ class MeasuredSwitch:
         self.runs += 1
         return (self.runs - 1) % self.every == 0
 
+    def arm(self) -> None:
+        """End of a measured run: read the gradients its backward sends to the sites'
+        ``Normal`` parameters (:class:`~pyro_gradroute.routing.taps`, until the next run)."""
+        if self._pending:
+            self._taps = taps([(t, None) for t, _ in self._pending])
+            self._taps.__enter__()
+
     def _collect(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
+        armed, self._taps = self._taps, None
         pending, self._pending = self._pending, []
-        if not pending or any(seen[0] is None for _, seen, _ in pending):
+        if armed is None:
+            return
+        armed.__exit__()
+        seen = armed.seen
+        if any(g is None for g in seen):
             return  # no backward reached every site (loss(), Predictive, ...): nothing learnt
         d = 0.0
-        for c, seen, stl in pending:
-            p = seen[0] if stl else seen[0] - c
+        for (_, c), g in zip(pending, seen):
+            p = g if self._stl else g - c
             d += float(2 * (p * c).sum() + (c * c).sum())
         if math.isfinite(d):  # (a saturated pushforward's draw has no finite pre-image)
             self._add(d)
@@ -108,32 +119,32 @@ class MeasuredSwitch:
     def measure(
         self, name: str, site_fn, value, scale, mask, earlier_nodes: dict, stl: bool, hook: bool
     ) -> None:
-        """Check the site and, where ``hook``, hook its ``Normal`` parameters for this run's
-        backward.
+        """Check the site and, where ``hook``, keep its ``Normal`` parameters and score part for
+        this run's backward (:meth:`arm` hooks them at the run's end).
 
         Raises ``ValueError`` (naming the site) for a reparameterized site that is not a
         ``Normal`` (or a ``Normal`` pushed forward by parameter-free bijections) whose
         parameters read no earlier sample.
         """
-        d = delta_base(site_fn)
-        if d is not None:  # no draw of its own: a score part only where its density reads
-            ld = d.log_density  # parameters directly (a structured guide's site)
-            if torch.is_tensor(ld) and ld.requires_grad:
-                if reaches_leaf_directly(ld, stop_nodes=earlier_nodes):
-                    raise ValueError(
-                        f"stick_the_landing(switch='measured'): guide site '{name}' is a Delta "
-                        "whose density reads parameters; the measured switch reads the score "
-                        "part of Normal sites only. Use trace_steps=N (a fixed number of "
-                        "Trace_ELBO steps), or pyro_gradroute.infer.TraceAdaptiveSTL_ELBO("
-                        "mix_gain=math.inf)"
-                    )
+        if delta_base(site_fn) is not None:  # no draw of its own: a score part only where
+            try:  # its density reads parameters directly (a structured guide's site)
+                site_pathwise(name, site_fn, value, [], earlier_nodes)
+            except NeedsGeneralSplit:
+                raise ValueError(
+                    f"stick_the_landing(switch='measured'): guide site '{name}' is a Delta "
+                    "whose density reads parameters; the measured switch reads the score "
+                    "part of Normal sites only. Use trace_steps=N (a fixed number of "
+                    "Trace_ELBO steps), or pyro_gradroute.infer.TraceAdaptiveSTL_ELBO("
+                    "mix_gain=math.inf)"
+                ) from None
             return
         base, nd, transforms = normal_pushforward(site_fn)
         if base is None:
             raise ValueError(
                 f"stick_the_landing(switch='measured'): guide site '{name}' is a "
                 f"{type(site_fn).__name__}; the measured switch reads the score part of Normal "
-                "sites (and of Normals pushed forward by parameter-free bijections) only. Use trace_steps=N (a fixed number of Trace_ELBO steps), or "
+                "sites (and of Normals pushed forward by parameter-free bijections) only. Use "
+                "trace_steps=N (a fixed number of Trace_ELBO steps), or "
                 "pyro_gradroute.infer.TraceAdaptiveSTL_ELBO(mix_gain=math.inf)"
             )
         self.seen += 1
@@ -152,14 +163,8 @@ class MeasuredSwitch:
         with torch.no_grad():
             for t in reversed(transforms):  # the Normal's own draw
                 value = t.inv(value)
-        for _, t, c in normal_score(base, nd, value, scale, mask):
-            seen: list = [None]
-
-            def hook(g, seen=seen):
-                seen[0] = g
-
-            self._handles.append(t.register_hook(hook))
-            self._pending.append((c, seen, stl))
+        self._stl = stl
+        self._pending.extend((t, c) for _, t, c in normal_score(base, nd, value, scale, mask))
 
     # -- state ----------------------------------------------------------------------------
     def __getstate__(self) -> dict:
@@ -180,7 +185,7 @@ class MeasuredSwitch:
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
-        self._pending, self._handles = [], []
+        self._pending, self._stl, self._taps = [], False, None
 
 
 def check_switch(switch) -> MeasuredSwitch | None:

@@ -534,6 +534,8 @@ class StickTheLandingMessenger(SplitMessenger):
         )
 
     def __exit__(self, *args):
+        if args[0] is None and self._measuring:
+            self._switch.arm()  # the backward that follows sends the parts to the hooks
         if args[0] is None and not self._policy.active:
             if torch.is_grad_enabled():
                 self._policy.advance()
@@ -611,7 +613,7 @@ def stick_the_landing(
     ``switch="measured"``: the ordinary gradient first, and sticking the landing once the
     gradients measure it better, back if they stop doing so
     (:class:`~pyro_gradroute.poutine.measured_switch.MeasuredSwitch`: from the gradient the
-    backward sends to each site's ``Normal`` parameters, one run in 2, no extra backward). Each
+    backward sends to each site's ``Normal`` parameters, one run in 4, no extra backward). Each
     run's choice comes from earlier runs only, so every step is one of the two unbiased
     estimators. It reads ``Normal`` sites (also pushed forward by parameter-free bijections,
     as ``LogNormal``; amortized ones too) whose parameters read no earlier sample; another

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from pyro.infer import Trace_ELBO as PyroTrace_ELBO
 
 from pyro_gradroute.poutine import stick_the_landing
 
@@ -25,6 +24,7 @@ from .checks import (
     _tols,
     cell,
     grad_of,
+    pyro_trace,
     reference_grad,
     seeded,
     stl_reference_grad,
@@ -33,15 +33,8 @@ from .checks import (
 STEPS = 12
 
 
-def _elbo(case):
-    P = case.particles
-    return PyroTrace_ELBO(
-        num_particles=P, vectorize_particles=P > 1, max_plate_nesting=case.max_plate_nesting
-    )
-
-
 def _grad(c, guide, seed):
-    elbo = _elbo(c.case)
+    elbo = pyro_trace("Trace", c.case)  # Pyro's Trace_ELBO with the case's particles
     return seeded(seed, lambda: grad_of(c, lambda: elbo.loss_and_grads(c.model, guide, *c.args)))[1]
 
 

@@ -71,6 +71,13 @@ def test_far_from_the_posterior_from_a_narrow_scale_it_keeps_trace_elbo():
     assert set(ends) == {"trace"}
 
 
+def test_under_trace_graph_elbo_every_step_is_one_estimator():
+    pyro.clear_param_store()
+    model, guide = normal_loc()
+    ends = _which(_run(model, guide, pinfer.TraceGraph_ELBO(), 70))
+    assert ends[0] == "trace" and ends[-5:] == ["stl"] * 5  # an exact posterior: STL wins
+
+
 def test_under_trace_enum_elbo_every_step_is_one_estimator():
     pyro.clear_param_store()
     model, guide = mixture()
