@@ -1,0 +1,84 @@
+"""Argument checks shared by every public constructor and function: type first, then range.
+
+Each check raises early, naming the argument (``where`` is the caller, e.g.
+``"Trace_ELBO"``), the value received and what is accepted, so a bad argument never
+reaches the computation as a silently wrong number or a raw error from deep inside.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+
+def _bad(where: str, name: str, value, accepted: str, exc=ValueError):
+    return exc(f"{where}: {name} must be {accepted}; got {value!r}")
+
+
+def check_int(
+    value, name: str, where: str, *, minimum: int | None = None, allow_none: bool = False
+):
+    """An integer (``bool`` excluded) at or above ``minimum``; ``None`` where allowed."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        kind = "an integer" + (" or None" if allow_none else "")
+        if minimum is not None:
+            kind += f" >= {minimum}"
+        raise _bad(where, name, value, kind, TypeError)
+    value = int(value)
+    if minimum is not None and value < minimum:
+        raise _bad(where, name, value, f"an integer >= {minimum}")
+    return value
+
+
+def check_float(
+    value,
+    name: str,
+    where: str,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+    low_open: bool = False,
+    high_open: bool = False,
+    allow_inf: bool = False,
+    allow_none: bool = False,
+):
+    """A real number (``bool`` and strings excluded, a 0-d tensor accepted) in the given range.
+
+    ``nan`` is always refused; ``inf`` only where ``allow_inf``.
+    """
+    if value is None and allow_none:
+        return None
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise _bad(where, name, value, "a number (a tensor with one element)", TypeError)
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise _bad(where, name, value, "a number" + (" or None" if allow_none else ""), TypeError)
+    value = float(value)
+    if math.isnan(value) or (math.isinf(value) and not allow_inf):
+        raise _bad(where, name, value, "a finite number")
+    if low is not None and (value < low or (low_open and value == low)):
+        raise _bad(where, name, value, f"{'>' if low_open else '>='} {low}")
+    if high is not None and (value > high or (high_open and value == high)):
+        raise _bad(where, name, value, f"{'<' if high_open else '<='} {high}")
+    return value
+
+
+def check_choice(value, name: str, where: str, choices):
+    """One of ``choices``."""
+    if value not in choices:
+        raise _bad(where, name, value, "one of " + ", ".join(repr(c) for c in choices))
+    return value
+
+
+def check_str(value, name: str, where: str, *, allow_none: bool = False):
+    """A string (a site or parameter name)."""
+    if value is None and allow_none:
+        return None
+    if not isinstance(value, str):
+        raise _bad(where, name, value, "a string", TypeError)
+    return value
