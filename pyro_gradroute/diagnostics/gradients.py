@@ -102,7 +102,7 @@ class GradientStats(dict):
         return lo, hi
 
     def to_dataframe(self):
-        """A ``pandas.DataFrame``, one row per parameter: role, size, mean |g|, variance, SNR."""
+        """A ``pandas.DataFrame``, one row per parameter: role, size, mean ``|g|``, variance, SNR."""
         import pandas as pd
 
         rows = {
