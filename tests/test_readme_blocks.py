@@ -1,17 +1,20 @@
-"""Every code block of the README is run by a test, or says why not; the commands it shows exist.
+"""The README: short, a working SVI loop early, every code block runs, every command exists.
 
-* ```python blocks: each section's blocks are run by the test module named in ``RUNNERS``
-  (checked: that module calls ``python_snippets("<section>")``); a block that cannot run in
-  one process (it needs ``torchrun`` or a launcher) carries a ``<!-- not run: reason -->`` line
-  right above it, and the reason names where the same code is tested;
+* the README has at most 300 lines and its first code block, an ``SVI`` loop with
+  ``TraceAdaptiveSTL_ELBO()``, ends within its first 60 lines and prints what it says;
+* ```python blocks run (one session per ``## `` section, ``tests/readme.py``) or say why not
+  and name the file that runs the same code;
 * ```bash / ```console blocks: every ``examples/*.py``, ``benchmarks/*.py`` or ``tests/*.py``
-  script they run exists, its flags are flags of that script, and every ``pyro-gradroute``
-  command line parses (without running);
-* the Performance section's setup table names a command for every figure.
+  script they run exists and takes those flags; every ``pyro-gradroute`` line parses;
+* the CI command (after ``<!-- test-command -->``) installs the docs and builds them with
+  warnings as errors;
+* "Which estimator?" is a table of words (no figures); every link into ``docs/`` names an
+  existing page and, with ``#anchor``, an existing heading there.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 import subprocess
@@ -19,95 +22,53 @@ import sys
 
 import pytest
 
-from tests.readme import README, python_snippets
+from tests.readme import README, ROOT, blocks, python_blocks, run_session, sessions
 
-ROOT = README.parent
 TEXT = README.read_text()
-
-# section -> the test module that executes its ```python blocks
-RUNNERS = {
-    "split": "tests/test_readme_estimators.py",
-    "stl": "tests/test_readme_estimators.py",
-    "dreg": "tests/test_readme_estimators.py",
-    "stl-pyro": "tests/test_readme_estimators.py",
-    "routing": "tests/routing/test_readme_routing.py",
-    "guides": "tests/guides/test_readme_guides.py",
-    "recipes": "tests/test_readme_recipes.py",
-    "diagnostics": "tests/test_readme_recipes.py",
-}
+LINES = TEXT.splitlines()
+BLOCKS = blocks(README)
+SHELL = [b for b in BLOCKS if b.lang in ("bash", "console")]
+SESSIONS = sessions(README, per_heading=True)
 
 
-def _blocks() -> list[dict]:
-    """``{"lang", "code", "line", "section", "marker"}`` of every fenced block, in order."""
-    out, section = [], None
-    lines = TEXT.splitlines()
-    i = 0
-    while i < len(lines):
-        m = re.match(r"<!-- section: (\S+) -->", lines[i])
-        if m:
-            section = m.group(1)
-        fence = re.match(r"```(\w*)$", lines[i])
-        if fence:
-            start = i
-            i += 1
-            body = []
-            while not lines[i].startswith("```"):
-                body.append(lines[i])
-                i += 1
-            prev = lines[start - 1] if start else ""
-            marker = re.match(r"<!-- not run: (.+) -->", prev)
-            out.append(
-                {
-                    "lang": fence.group(1),
-                    "code": "\n".join(body) + "\n",
-                    "line": start + 1,
-                    "section": section,
-                    "marker": marker.group(1) if marker else None,
-                }
-            )
-        i += 1
-    return out
+def test_the_readme_is_short():
+    assert len(LINES) <= 300
 
 
-BLOCKS = _blocks()
-PYTHON = [b for b in BLOCKS if b["lang"] == "python"]
-SHELL = [b for b in BLOCKS if b["lang"] in ("bash", "console")]
+def test_a_working_svi_loop_with_the_default_estimator_within_60_lines():
+    first = python_blocks(README)[0]
+    end = first.line + len(first.code.splitlines()) + 1
+    assert end <= 60, end
+    assert "TraceAdaptiveSTL_ELBO()" in first.code and "SVI(" in first.code
+    assert first.prints, "the first example says what it prints"
 
 
-def test_the_readme_has_blocks_of_each_kind():
-    assert len(PYTHON) >= 15 and len(SHELL) >= 6
+def test_the_first_fit_lands_on_the_exact_posterior():
+    session = SESSIONS[0]
+    assert session[0].line == python_blocks(README)[0].line
+    ns = run_session(session)  # also checks the printed line
+    assert abs(ns["mean"] - ns["exact_mean"]) < 0.01
+    assert abs(ns["sd"] - ns["exact_sd"]) < 0.01
 
 
-@pytest.mark.parametrize("block", PYTHON, ids=lambda b: f"line{b['line']}")
-def test_every_python_block_is_run_or_says_why_not(block):
-    if block["marker"]:
-        reason = block["marker"]
-        assert "torchrun" in reason or "launcher" in reason, reason
-        assert "examples/" in reason or "tests/" in reason or "needs torchrun" in reason, reason
-        return
-    section = block["section"]
-    assert section in RUNNERS, (
-        f"README line {block['line']}: the python block of section {section!r} is run by no "
-        "test: add a runner to RUNNERS (or a '<!-- not run: reason -->' line above it)"
-    )
-    runner = (ROOT / RUNNERS[section]).read_text()
-    assert f'python_snippets("{section}"' in runner, RUNNERS[section]
-    # the runner finds this very block
-    assert block["code"] in [s if s.endswith("\n") else s + "\n" for s in python_snippets(section)]
+@pytest.mark.parametrize("session", SESSIONS[1:], ids=lambda s: s[0].heading.split(":")[0])
+def test_every_python_session_runs(session):
+    run_session(session)
 
 
-def test_not_run_blocks_have_a_tested_twin():
-    """The torchrun/Lightning recipes are tested as the example scripts they point to."""
-    for block in PYTHON:
-        for path in re.findall(r"(examples/\w+\.py|tests/[\w/]+\.py)", block["marker"] or ""):
-            assert (ROOT / path).exists(), path
+def test_blocks_that_cannot_run_here_name_their_runnable_twin():
+    for b in python_blocks(README):
+        if b.not_run:
+            paths = re.findall(r"((?:examples|tests)/[\w/]+\.py)", b.not_run)
+            assert paths, b.label
+            assert all((ROOT / p).exists() for p in paths), b.label
 
 
 def _commands(block) -> list[list[str]]:
     out = []
-    for raw in block["code"].splitlines():
+    for raw in block.code.splitlines():
         line = raw[2:] if raw.startswith("$ ") else raw
-        if block["lang"] == "console" and not raw.startswith("$ "):
+        if block.lang == "console" and not raw.startswith("$ "):
             continue  # output
         line = line.split("  #")[0].strip()
         if not line or line.startswith("#"):
@@ -120,47 +81,39 @@ def _commands(block) -> list[list[str]]:
 
 
 def _script(words: list[str]) -> tuple[str, list[str]] | None:
-    """(script path, its arguments) of ``python X.py ...`` / ``torchrun [opts] X.py ...``."""
     for i, w in enumerate(words):
         if re.match(r"(examples|benchmarks|tests)/[\w/]+\.py$", w):
             return w, words[i + 1 :]
     return None
 
 
-SCRIPT_RUNS = [
-    (b["line"], *s) for b in SHELL for words in _commands(b) if (s := _script(words)) is not None
-]
-CLI_RUNS = [
-    (b["line"], words[1:]) for b in SHELL for words in _commands(b) if words[0] == "pyro-gradroute"
-]
+def script_runs(blocks_) -> list[tuple[str, str, list[str]]]:
+    return [
+        (b.label, *s) for b in blocks_ for words in _commands(b) if (s := _script(words)) is not None
+    ]
 
 
-def test_the_readme_shows_script_and_cli_commands():
-    assert len(SCRIPT_RUNS) >= 5 and len(CLI_RUNS) >= 4
-    assert any(path == "examples/lightning_svi.py" for _, path, _ in SCRIPT_RUNS)
+def cli_runs(blocks_) -> list[list[str]]:
+    return [words[1:] for b in blocks_ for words in _commands(b) if words[0] == "pyro-gradroute"]
 
 
-@pytest.mark.parametrize("run", SCRIPT_RUNS, ids=lambda r: f"line{r[0]}-{r[1]}")
-def test_scripts_the_readme_runs_exist_and_take_those_flags(run):
-    line, path, args = run
-    script = ROOT / path
-    assert script.exists(), f"README line {line}: {path} does not exist"
-    source = script.read_text()
-    for flag in (a.split("=")[0] for a in args if a.startswith("--")):
-        assert f'"{flag}"' in source, f"README line {line}: {path} has no flag {flag}"
+def check_scripts(runs) -> None:
+    for label, path, args in runs:
+        script = ROOT / path
+        assert script.exists(), f"{label}: {path} does not exist"
+        source = script.read_text()
+        for flag in (a.split("=")[0] for a in args if a.startswith("--")):
+            assert f'"{flag}"' in source, f"{label}: {path} has no flag {flag}"
 
 
-def test_pyro_gradroute_command_lines_parse():
-    """Each ``pyro-gradroute ...`` line of the README parses (``--help`` would exit 0 too)."""
+def check_cli(argvs) -> None:
     code = (
         "import sys, json\n"
         "from pyro_gradroute.app.cli import _parser\n"
         "for argv in json.loads(sys.argv[1]):\n"
         "    _parser().parse_args(argv)\n"
     )
-    import json
-
-    argvs = [args for _, args in CLI_RUNS if args and args[0] in ("compare", "list")]
+    argvs = [a for a in argvs if a and a[0] in ("compare", "list")]
     proc = subprocess.run(
         [sys.executable, "-c", code, json.dumps(argvs)],
         capture_output=True,
@@ -171,11 +124,61 @@ def test_pyro_gradroute_command_lines_parse():
     assert proc.returncode == 0, proc.stderr
 
 
-def test_setup_table_names_a_command_for_every_figure():
-    start = TEXT.index("### Setup, tests and scale-out")
-    table = [ln for ln in TEXT[start:].splitlines() if ln.startswith("| ")][2:]
-    assert len(table) >= 5
-    for row in table:
-        cells = [c.strip() for c in row.strip("|").split("|")]
-        assert "`" in cells[-1], f"no command in: {row}"
-        assert "load" in row, f"no load stated in: {row}"
+def test_pyro_gradroute_command_lines_parse():
+    argvs = cli_runs(SHELL)
+    assert len(argvs) >= 3
+    check_cli(argvs)
+
+
+def test_scripts_the_readme_runs_exist_and_take_those_flags():
+    check_scripts(script_runs(SHELL))
+
+
+def test_the_ci_command_builds_the_docs_with_warnings_as_errors():
+    i = LINES.index("<!-- test-command -->")
+    assert LINES[i + 1] == "```bash"
+    command = LINES[i + 2]
+    assert "docs]" in command.split("pip install", 1)[1].split("&&")[0]
+    assert "python -m pytest" in command
+    assert "sphinx -W -b html docs" in command
+
+
+def _table(heading: str) -> list[list[str]]:
+    start = LINES.index(f"## {heading}")
+    rows = []
+    for ln in LINES[start + 1 :]:
+        if ln.startswith("## "):
+            break
+        if ln.startswith("| ") and not set(ln) <= set("|- "):
+            rows.append([c.strip() for c in ln.strip().strip("|").split("|")])
+    return rows
+
+
+def test_which_estimator_is_a_table_of_words_each_row_linking_to_what_was_measured():
+    header, *rows = _table("Which estimator?")
+    assert header[-1] == "measured" and len(rows) >= 8
+    for row in rows:
+        for cell in row[2:3]:  # "why": words, not figures
+            assert not re.search(r"\d\.\d|\d+%|\+/-|±", cell), cell
+        assert row[-1] == "—" or re.search(r"\]\(docs/[\w/]+\.md(#[\w-]+)?\)", row[-1]), row
+
+
+def slug(heading: str) -> str:
+    """The anchor MyST (``myst_heading_anchors``) and GitHub give a heading."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def check_links(text: str, base) -> None:
+    for target, anchor in re.findall(r"\]\(((?:\.\./)?(?:docs/)?[\w/]+\.md)(?:#([\w-]+))?\)", text):
+        path = (base / target).resolve()
+        assert path.exists(), target
+        if anchor:
+            headings = [
+                slug(ln.lstrip("#")) for ln in path.read_text().splitlines() if ln.startswith("#")
+            ]
+            assert anchor in headings, (target, anchor, headings)
+
+
+def test_links_into_the_docs_name_pages_and_headings_that_exist():
+    check_links(TEXT, ROOT)
