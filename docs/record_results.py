@@ -6,8 +6,8 @@ conjugate fits, the conformance matrix, Pyro's test suite under the swaps)::
     python docs/record_results.py conjugate -- python -m tests.conjugate
 
 The file starts with the command, the date, the commit, the Python and torch versions and the
-machine's load average before and after the run; then the output: as Markdown when it is a
-Markdown table, else as a text block. The pages include it with the ``{results}`` directive
+machine's load average before and after the run; then the output: its Markdown tables as tables,
+every other run of lines as a text block. The pages include it with the ``{results}`` directive
 (``docs/_ext/results.py``). A command that fails writes nothing and exits with its status.
 """
 
@@ -46,9 +46,19 @@ def _commit() -> str:
 def render(command: list[str], output: str, load_before: str, load_after: str) -> str:
     import torch
 
-    lines = output.rstrip().splitlines()
-    is_table = bool(lines) and all(ln.startswith("|") for ln in lines if ln.strip())
-    body = "\n".join(lines) if is_table else "```text\n" + "\n".join(lines) + "\n```"
+    # Markdown tables stay tables; every other run of lines becomes a text block
+    groups: list[tuple[bool, list[str]]] = []
+    for ln in output.rstrip().splitlines():
+        is_table = ln.startswith("|")
+        if not ln.strip():
+            continue
+        if groups and groups[-1][0] == is_table:
+            groups[-1][1].append(ln)
+        else:
+            groups.append((is_table, [ln]))
+    body = "\n\n".join(
+        "\n".join(g) if table else "```text\n" + "\n".join(g) + "\n```" for table, g in groups
+    )
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     return (
         f"<!-- written by docs/record_results.py: do not edit, rerun the command -->\n"

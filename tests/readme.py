@@ -49,12 +49,12 @@ def blocks(path: Path) -> list[Block]:
     while i < len(lines):
         if lines[i].startswith("## "):
             heading = lines[i][3:].strip()
-        fence = re.match(r"(`{3,})(\w*)\s*$", lines[i])
+        fence = re.match(r"(`{3,})(\S*)", lines[i])
         if fence:
             start, ticks = i, fence.group(1)
             i += 1
             body = []
-            while not lines[i].startswith(ticks):
+            while lines[i].rstrip() != ticks:
                 body.append(lines[i])
                 i += 1
             prev = lines[start - 1] if start else ""

@@ -89,7 +89,10 @@ def _script(words: list[str]) -> tuple[str, list[str]] | None:
 
 def script_runs(blocks_) -> list[tuple[str, str, list[str]]]:
     return [
-        (b.label, *s) for b in blocks_ for words in _commands(b) if (s := _script(words)) is not None
+        (b.label, *s)
+        for b in blocks_
+        for words in _commands(b)
+        if (s := _script(words)) is not None
     ]
 
 
