@@ -121,3 +121,19 @@ def test_user_model_of_the_command_page_loads_like_the_console_script(tmp_path, 
 
     problem = load_problem("my_model_cwd:problem")
     assert problem.heldout_args is not None and len(problem.args[0]) == 50
+
+
+def test_the_docs_build_with_warnings_as_errors(tmp_path):
+    """``python -m sphinx -W``: autodoc reads every public docstring, every page and include."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html", "-d",
+         str(tmp_path / "doctrees"), str(DOCS), str(tmp_path / "html")],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
