@@ -39,7 +39,6 @@ myst_heading_anchors = 3
 autodoc_default_options = {"members": True, "member-order": "bysource", "show-inheritance": True}
 autodoc_typehints = "description"
 autodoc_class_signature = "separated"
-autodoc_inherit_docstrings = False  # Pyro's inherited ELBO docstrings are not ours to check
 add_module_names = False
 
 html_theme = "alabaster"

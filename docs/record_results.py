@@ -35,7 +35,17 @@ def _commit() -> str:
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
     )
     dirty = subprocess.run(
-        ["git", "status", "--porcelain", "--untracked-files=no"],
+        # edits to the documentation itself do not change what a command measures
+        [
+            "git",
+            "status",
+            "--porcelain",
+            "--untracked-files=no",
+            "--",
+            ".",
+            ":!docs",
+            ":!README.md",
+        ],
         capture_output=True,
         text=True,
         cwd=ROOT,
