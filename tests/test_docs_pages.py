@@ -6,7 +6,8 @@
   test file that runs the same code, and that file exists;
 * ```bash blocks: the scripts they run exist and take those flags; ``pyro-gradroute`` lines parse;
 * links between pages name pages and headings that exist;
-* no page types a figure into a results table: measured tables come from ``docs/results/``
+* no page (nor the README) types a measured figure, in a table or in prose: they come from
+  ``docs/results/``
   through the ``{results}`` directive, whose command is stated.
 """
 
@@ -17,7 +18,7 @@ import re
 import pytest
 import torch
 
-from tests.readme import DOCS, ROOT, blocks, python_blocks, run_session, sessions
+from tests.readme import DOCS, README, ROOT, blocks, python_blocks, run_session, sessions
 from tests.test_readme_blocks import check_cli, check_links, check_scripts, cli_runs, script_runs
 
 PAGES = sorted(DOCS.glob("*.md"))
@@ -137,3 +138,29 @@ def test_the_docs_build_with_warnings_as_errors(tmp_path):
         timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
+
+
+FIGURE = re.compile(r"(?<![\w.])\d+\.\d{2,}(?![\d.])|\d%|±|\+/-|(?<![\w.])\d+(\.\d+)?x\b")
+
+
+def prose(path) -> list[str]:
+    """The lines of a Markdown file outside its fenced blocks."""
+    out, fence = [], None
+    for line in path.read_text().splitlines():
+        m = re.match(r"(`{3,})", line)
+        if fence is None and m:
+            fence = m.group(1)
+        elif fence is not None and line.rstrip() == fence:
+            fence = None
+        elif fence is None:
+            out.append(line)
+    return out
+
+
+@pytest.mark.parametrize("path", [README, *PAGES], ids=lambda p: p.name)
+def test_no_typed_figures_in_prose(path):
+    """Measured figures (decimals, percentages, ratios, standard errors) come from results files."""
+    for line in prose(path):
+        text = re.sub(r"`[^`]*`", "", line)  # code spans: names, arguments, commands
+        text = re.sub(r"\b(Python|ArviZ|torch|Pyro)( \d+(\.\d+)*( to| or|,| /)?)+", "", text)
+        assert not FIGURE.search(text), f"{path.name}: {line}"
