@@ -6,9 +6,9 @@
   test file that runs the same code, and that file exists;
 * ```bash blocks: the scripts they run exist and take those flags; ``pyro-gradroute`` lines parse;
 * links between pages name pages and headings that exist;
-* no page (nor the README) types a measured figure, in a table or in prose: they come from
-  ``docs/results/``
-  through the ``{results}`` directive, whose command is stated.
+* no page (nor the README) types a measured figure, in a table or in prose: figures come from
+  ``docs/results/`` through the ``{results}`` directive, whose command is stated;
+* the site builds with ``sphinx -W``.
 """
 
 from __future__ import annotations
