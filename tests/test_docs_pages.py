@@ -37,7 +37,7 @@ def namespace(request):
 
 
 # pages whose blocks are checked for what their comments claim (below); the others just run
-CHECKED = {"stl.md", "guides.md", "adaptive.md", "index.md"}
+CHECKED = {"stl.md", "guides.md", "adaptive.md", "index.md", "dreg.md"}
 
 
 @pytest.mark.parametrize("page", [p.name for p in RUNNABLE if p.name not in CHECKED])
@@ -54,7 +54,11 @@ def test_index_first_fit_is_near_the_data_mean(namespace):
 
 @pytest.mark.parametrize("namespace", ["stl.md"], indirect=True)
 def test_stl_page_fits_what_its_comments_say(namespace):
-    # the last session state is the mixture: its locations near -3 and 3
+    # the AutoNormal fit of the first block: the posterior of loc and scale, near the data's
+    median = namespace["guide"].median()
+    assert median["loc"].item() == pytest.approx(namespace["x"].mean().item(), abs=0.3)
+    assert median["scale"].item() == pytest.approx(namespace["x"].std().item(), abs=0.3)
+    # the mixture under stick_the_landing: its locations near -3 and 3
     m = namespace["pyro"].param("m").detach().sort().values
     assert abs(m[0] + 3) < 0.7 and abs(m[1] - 3) < 0.7
 
@@ -71,6 +75,13 @@ def test_guides_page_gamma_factor_is_near_the_exact_posterior(namespace):
 def test_adaptive_page_mixture_finds_both_components(namespace):
     locs = namespace["guide"].median(namespace["data"])["locs"].detach().sort().values
     assert torch.allclose(locs, torch.tensor([-3.0, 3.0]), atol=0.7)
+
+
+@pytest.mark.parametrize("namespace", ["dreg.md"], indirect=True)
+def test_dreg_page_loss_is_the_negative_iwae_bound_per_batch(namespace):
+    # binary images: -log p(x) >= 0 and the bound is below log p(x), so the loss is positive;
+    # 20 steps from the initialisation leave it near a decoder of coin flips (64 log 2 per image)
+    assert 0 < namespace["loss"] / 128 < 60
 
 
 def test_blocks_that_cannot_run_here_name_their_runnable_twin():
