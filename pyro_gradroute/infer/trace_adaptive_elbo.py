@@ -173,10 +173,15 @@ def _grads(outputs, params, seeds=None, retain=False) -> dict:
 
 # ----------------------------------------------------------------------------- the step
 class _Adaptive:
-    """State and the measured step shared by the adaptive estimators."""
+    """State and the measured step shared by the adaptive estimators.
 
-    _cv: ControlVariate
-    _schedule: Schedule
+    ``control_variate`` (:class:`~pyro_gradroute.infer.control_variate.ControlVariate`) holds
+    the moments and the fit; ``schedule`` (:class:`~pyro_gradroute.infer.schedule.Schedule`,
+    its constants in ``schedule.config``) the choice of each step's kind.
+    """
+
+    control_variate: ControlVariate
+    schedule: Schedule
 
     def _init_adaptive(
         self, decay, clip, warmup, center, confidence, fixed_weight, mix_gain, distributed, schedule
@@ -192,39 +197,39 @@ class _Adaptive:
         mix_gain = check_float(
             mix_gain, "mix_gain", where, low=1.0, allow_inf=True, allow_none=True
         )
-        self._cv = ControlVariate(
+        self.control_variate = ControlVariate(
             decay, clip, warmup, center, confidence, fixed_weight,
             refit=config.refit, fresh=config.fresh, no_score=config.no_score, where=where,
         )  # fmt: skip
-        self._schedule = Schedule(mix_gain, self._cv.decay, config)
+        self.schedule = Schedule(mix_gain, self.control_variate.decay, config)
         self._distributed = distributed
 
     @property
     def decay(self) -> float:
-        return self._cv.decay
+        return self.control_variate.decay
 
     @property
     def clip(self) -> float | None:
-        return self._cv.clip
+        return self.control_variate.clip
 
     def control_variate_weights(self) -> dict[str, torch.Tensor]:
         """``{name: b}`` the next step applies: by param-store name, or by guide site
         (``"<site>.loc"``, ``"<site>.scale"``) where measured steps take one pass."""
-        return self._cv.all_weights()
+        return self.control_variate.all_weights()
 
     def state_dict(self) -> dict:
         """The moments, settings and schedule, to resume the same estimator."""
-        return {**self._cv.state_dict(), "schedule": self._schedule.state_dict()}
+        return {**self.control_variate.state_dict(), "schedule": self.schedule.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        self._cv.load_state_dict(state)
-        self._schedule.load_state_dict(state["schedule"])
+        self.control_variate.load_state_dict(state)
+        self.schedule.load_state_dict(state["schedule"])
 
     def reset(self) -> None:
         """Forget the moments (the next step is ``Trace_ELBO``'s / IWAE's, ``b = 1``)."""
-        self._cv.state.clear()
-        self._cv.layouts.clear()
-        self._schedule.reset()
+        self.control_variate.state.clear()
+        self.control_variate.layouts.clear()
+        self.schedule.reset()
 
     def differentiable_loss(self, model, guide, *args, **kwargs) -> torch.Tensor:
         r"""The loss whose gradient is :math:`p + b \odot c`; every call measures and is a
@@ -285,7 +290,7 @@ class _Adaptive:
             linear = None
             if order:  # this step's weights come from earlier steps only
                 for p, path, b, c in zip(
-                    order, paths, self._schedule.weights(self._cv, keys, order), cvs
+                    order, paths, self.schedule.weights(self.control_variate, keys, order), cvs
                 ):
                     if differentiable:
                         term = (b * c).detach().mul(p).sum()
@@ -306,13 +311,13 @@ class _Adaptive:
         return loss + (surrogate - surrogate.detach())
 
     def _update(self, keys, order, paths, cvs, routed, one_pass) -> None:
-        sch = self._schedule
-        p, c = self._cv.update(keys, paths, cvs)
+        sch = self.schedule
+        p, c = self.control_variate.update(keys, paths, cvs)
         if sch.mix_gain is not None:  # what a direct step at the gate's endpoint applies
             sch.gate.update(p if sch.gate.e == 0.0 else p + sch.gate.e * c)
         named = not any(k.startswith("<") for k in keys)
         layout = [(k, tuple(t.shape)) for k, t in zip(keys, order)] if named else None
-        sch.measured(self._cv.key(keys, order), layout, routed)
+        sch.measured(self.control_variate.key(keys, order), layout, routed)
         if sch.one_pass is None:
             sch.one_pass = one_pass
 
@@ -422,7 +427,7 @@ class TraceAdaptiveSTL_ELBO(_Adaptive, TraceSTL_ELBO):
 
     def loss_and_grads(self, model, guide, *args, **kwargs) -> float:
         """Negative ELBO as a float; accumulates :math:`p + b \\odot c` (or a direct step's gradient)."""
-        sch, cv = self._schedule, self._cv
+        sch, cv = self.schedule, self.control_variate
         if _ranks(self._distributed) > 1:
             return self._measure(model, guide, args, kwargs)
         sch.check(cv, param_store_leaves())
@@ -436,7 +441,7 @@ class TraceAdaptiveSTL_ELBO(_Adaptive, TraceSTL_ELBO):
     def _direct(self, step, model, guide, args, kwargs) -> float:
         """Endpoint ``step.end``'s own step; where ``step.feed``, its gradient on the last
         measured step's parameters goes into the gate."""
-        sch = self._schedule
+        sch = self.schedule
         leaves = param_store_leaves() if step.feed and sch.layout else {}
         params = [leaves[n] for n, _ in sch.layout] if leaves else []
         with _own_grads() as own:
@@ -452,7 +457,7 @@ class TraceAdaptiveSTL_ELBO(_Adaptive, TraceSTL_ELBO):
     def _endpoint(self, end: float, model, guide, args, kwargs) -> float:
         """Pyro's estimator on ``guide`` (``end = 1``) or on ``stick_the_landing(guide)``; where
         the last measured step had ``block_grad`` routes, this package's routed ones."""
-        if self._schedule.routed:
+        if self.schedule.routed:
             if end == 1.0:
                 return self._routed_trace.loss_and_grads(model, guide, *args, **kwargs)
             return RoutedELBO.loss_and_grads(self, model, guide, *args, **kwargs)
@@ -478,7 +483,7 @@ class TraceAdaptiveSTL_ELBO(_Adaptive, TraceSTL_ELBO):
         :func:`~pyro_gradroute.distributions.normal.normal_score`) and sends on
         :math:`t + (b - 1) c`. Where a trace does not qualify the step is ``Trace_ELBO``'s
         (nothing measured) and later measured steps take the two-backward path."""
-        sch, cv, n = self._schedule, self._cv, self.num_particles
+        sch, cv, n = self.schedule, self.control_variate, self.num_particles
         loss, ok, keys, bs, feed, routed, const, key = 0.0, True, None, None, False, False, 1.0, ""
         acc: dict[str, list] = {}
         params: dict[str, torch.Tensor] = {}
@@ -570,13 +575,13 @@ class TraceAdaptiveSTL_ELBO(_Adaptive, TraceSTL_ELBO):
 
     def _constant(self, key: str) -> float | None:
         """The weight every element of ``key`` takes next where they all take the same."""
-        cv = self._cv
+        cv = self.control_variate
         if cv.fixed_weight is not None:
             return cv.fixed_weight
         fit = cv.fit(key)
         if fit is None:
             return 1.0
-        if self._schedule.mix_gain == math.inf:
+        if self.schedule.mix_gain == math.inf:
             s_mix, s0, s1 = fit["moments"]
             return 0.0 if s0 <= s1 else 1.0
         return fit["constant"]
@@ -701,7 +706,7 @@ class TraceEnumAdaptiveSTL_ELBO(TraceAdaptiveSTL_ELBO):
                 f"{type(self).__name__} does not average its parts over ranks; use "
                 "pyro.infer.TraceEnum_ELBO with the guide under stick_the_landing, or one process"
             )
-        sch, cv = self._schedule, self._cv
+        sch, cv = self.schedule, self.control_variate
         sch.check(cv, param_store_leaves())
         step = sch.decide(cv)
         if not step.measure:
@@ -709,7 +714,7 @@ class TraceEnumAdaptiveSTL_ELBO(TraceAdaptiveSTL_ELBO):
         return self._one_pass(model, guide, args, kwargs)
 
     def differentiable_loss(self, model, guide, *args, **kwargs) -> torch.Tensor:
-        end = self._schedule.endpoint(self._cv)[0]
+        end = self.schedule.endpoint(self.control_variate)[0]
         self._sync()
         guide = guide if end in (None, 1.0) else stick_the_landing(guide)
         return self._pyro.differentiable_loss(model, guide, *args, **kwargs)
