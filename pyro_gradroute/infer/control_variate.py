@@ -220,17 +220,6 @@ class ControlVariate:
         sizes = [math.prod(s) for s in shapes]
         return {n: t.view(s) for n, t, s in zip(names, flat.split(sizes), shapes)}
 
-    def all_weights(self) -> dict[str, torch.Tensor]:
-        """``{name: b}`` the next step applies, for every parameter with moments."""
-        out: dict[str, torch.Tensor] = {}
-        for key, st in self.state.items():
-            fit = self.fit(key)
-            b = torch.ones_like(st["buf"][0]) if fit is None else fit["b"]
-            if self.fixed_weight is not None:
-                b = torch.full_like(b, self.fixed_weight)
-            out.update(self.split(key, b))
-        return out
-
     # -- state ---------------------------------------------------------------------------
     _SETTINGS = ("decay", "clip", "warmup", "center", "confidence", "fixed_weight")
 
@@ -246,10 +235,14 @@ class ControlVariate:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        if any("buf" not in st for st in state.get("moments", {}).values()):
+        missing = {k for k in (*self._SETTINGS, "layouts", "moments") if k not in state}
+        for st in state.get("moments", {}).values():
+            if "buf" not in st:  # moments kept as separate tensors by an older version
+                missing |= {"buf", *(k for k in _KEYS if k not in st)}
+        if missing:
             raise ValueError(
-                "this control-variate state was saved by an older version whose moments this "
-                "policy cannot use; start from a fresh estimator"
+                f"this control-variate state lacks {sorted(missing)}: it was saved by an older "
+                "version whose moments this policy cannot use; start from a fresh estimator"
             )
         for k in self._SETTINGS:
             setattr(self, k, state[k])

@@ -194,6 +194,14 @@ class Schedule:
                 bs = [torch.full_like(t, 0.0 if s0 <= s1 else 1.0) for t in likes]
         return bs
 
+    def all_weights(self, cv) -> dict[str, torch.Tensor]:
+        """``{name: b}`` the next measured step applies, for every parameter with moments."""
+        out: dict[str, torch.Tensor] = {}
+        for key, st in cv.state.items():
+            names = [n for n, _ in cv.layouts[key]]
+            out.update(zip(names, self.weights(cv, names, list(cv.split(key, st["buf"][0]).values()))))
+        return out
+
     def decide(self, cv) -> Step:
         """This step's kind, from earlier steps only."""
         cfg, gate = self.config, self.gate

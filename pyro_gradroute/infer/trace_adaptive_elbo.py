@@ -215,7 +215,7 @@ class _Adaptive:
     def control_variate_weights(self) -> dict[str, torch.Tensor]:
         """``{name: b}`` the next step applies: by param-store name, or by guide site
         (``"<site>.loc"``, ``"<site>.scale"``) where measured steps take one pass."""
-        return self.control_variate.all_weights()
+        return self.schedule.all_weights(self.control_variate)
 
     def state_dict(self) -> dict:
         """The moments, settings and schedule, to resume the same estimator."""

@@ -20,7 +20,8 @@ for a frozen ``b`` the same-draw reference is ``(1 - b) * STL + b * Trace`` (Pyr
   each endpoint, and measures nothing (the moments do not move);
 * ``switch``: ``mix_gain=math.inf`` (the measured switch), its gate held open so that it
   measures: every step, warm-up, fresh phase and settled, is one whole estimator's gradient,
-  Pyro's ``Trace_ELBO``'s or the STL reference's, on the same seed;
+  Pyro's ``Trace_ELBO``'s or the STL reference's, on the same seed; ``switch_uncentered``: the
+  same with ``center=False`` (the fit through 0 never makes the switch mix);
 * ``zero``: at the exact posterior (where the guide family holds it) the default policy moves to
   STL after its warm-up, and the guide parameters' gradient is then zero to round-off.
 """
@@ -210,12 +211,12 @@ def check_gate(case):
     _check_endpoint_steps(case, 1, _quiet_gate, "gate's step")
 
 
-def check_switch(case):
+def check_switch(case, center=True):
     with cell(case) as c:
         if _probe(c, "Adaptive", c.model, c.guide, case.raise_for("Adaptive", False)):
             return
         rtol, atol = _tols(case.dtype)
-        elbo = _default(case, mix_gain=math.inf)
+        elbo = _default(case, mix_gain=math.inf, center=center)
         open_gate(elbo.schedule.gate)
         for seed in range(12):  # past the warm-up (5) into the fresh phase (5) and beyond
             g = _ours(c, elbo, 200 + seed)
@@ -253,7 +254,7 @@ def _cells():
         if spec is not None and not spec.optional:
             continue  # the matrix's raises cells cover these
         out += [(case, "first"), (case, "frozen"), (case, "direct"), (case, "gate")]
-        out.append((case, "switch"))
+        out += [(case, "switch"), (case, "switch_uncentered")]
         if case.build_has_exact:
             out.append((case, "zero"))
     return out
@@ -266,4 +267,5 @@ CELLS = _cells()
 def test_adaptive_policy(case, check):
     checks = {"first": check_first, "frozen": check_frozen, "direct": check_direct}
     checks["gate"], checks["switch"] = check_gate, check_switch
+    checks["switch_uncentered"] = lambda case: check_switch(case, center=False)
     {**checks, "zero": check_zero}[check](case)
