@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import io
 import math
+import pickle
 
 import pyro
 import pyro.distributions as dist
@@ -1144,3 +1146,168 @@ def test_one_pass_step_with_a_loop_over_particles(b):
     stl = grads_on_seed(TraceSTL_ELBO(num_particles=3), _mean_field_model, _mean_field_guide, 51, X)
     for k in ours:
         torch.testing.assert_close(ours[k], (1 - b) * stl[k] + b * trace[k])
+
+
+# ------------------------------------------------------------------ issue 27: state, shapes, the uncentred switch, arguments
+def _sgd_steps(elbo, model, guide, seeds, *args):
+    """Steps of plain SGD (lr 0.01) on the given seeds; their gradients."""
+    out = []
+    for seed in seeds:
+        g = grads_on_seed(elbo, model, guide, seed, *args)
+        with torch.no_grad():
+            for k, p in leaves():
+                p.sub_(0.01 * g[k])
+        out.append(g)
+    return out
+
+
+def _round_trips():
+    def via_torch_save(elbo):
+        buf = io.BytesIO()
+        torch.save(elbo, buf)
+        buf.seek(0)
+        return torch.load(buf, weights_only=False)
+
+    def via_state_dict(elbo):
+        clone = copy.deepcopy(elbo)
+        clone.reset()
+        clone.load_state_dict(elbo.state_dict())
+        return clone
+
+    return {
+        "pickle": lambda e: pickle.loads(pickle.dumps(e)),
+        "deepcopy": copy.deepcopy,
+        "torch.save": via_torch_save,
+        "state_dict": via_state_dict,
+    }
+
+
+_USED = {
+    "stl-mix": lambda: TraceAdaptiveSTL_ELBO(mix_gain=None, max_plate_nesting=1),
+    "stl-default": lambda: TraceAdaptiveSTL_ELBO(max_plate_nesting=1),
+    "dreg": lambda: TraceAdaptiveDReG_ELBO(num_particles=4, max_plate_nesting=1),
+}
+
+
+@pytest.mark.parametrize("how", sorted(_round_trips()))
+@pytest.mark.parametrize("kind", sorted(_USED))
+def test_a_used_estimator_survives_every_round_trip(kind, how):
+    """After 20 steps, a copy (pickle, deepcopy, torch.save, state_dict) takes the same next 12
+    steps as the original, from identical parameters and seeds (issue 27: the moments were views
+    of one buffer, which pickle stored separately)."""
+    conditional_guide(X)
+    elbo = _USED[kind]()
+    _sgd_steps(elbo, conditional_model, conditional_guide, range(20), X)
+    clone = _round_trips()[how](elbo)
+    start = {k: p.detach().clone() for k, p in leaves()}
+    ours = _sgd_steps(elbo, conditional_model, conditional_guide, range(100, 112), X)
+    with torch.no_grad():
+        for k, p in leaves():
+            p.copy_(start[k])
+    theirs = _sgd_steps(clone, conditional_model, conditional_guide, range(100, 112), X)
+    for step, (a, b) in enumerate(zip(ours, theirs)):
+        for k in a:
+            torch.testing.assert_close(a[k], b[k], rtol=0, atol=0, msg=f"step {step}, {k}")
+
+
+def _auto_normal_at_posterior(D):
+    """``AutoNormal`` on a conjugate model, its parameters set to the exact posterior."""
+    gm = GaussianModel(D=D, n=5, prior_cov=torch.eye(D), seed=1)
+    mean, cov = gm.posterior()
+    guide = ag.AutoNormal(gm.model)
+    guide()
+    store = pyro.get_param_store()
+    store["AutoNormal.locs.z"] = mean.clone()
+    store["AutoNormal.scales.z"] = cov.diagonal().sqrt()
+    return gm, guide
+
+
+@pytest.mark.parametrize("steps", [29, 30, 31, 32])  # measured and direct steps next
+@pytest.mark.parametrize("guide_kind", ["hand-written", "AutoNormal"])
+def test_a_parameter_whose_shape_changes_restarts_at_trace_elbo(guide_kind, steps):
+    """After 30 steps at STL, a new problem reusing the names with other shapes: the next steps
+    are Pyro's Trace_ELBO on the same seed, not STL (issue 27)."""
+    problem = _exact_posterior_problem if guide_kind == "hand-written" else _auto_normal_at_posterior
+    gm, guide = problem(D=2)
+    elbo = TraceAdaptiveSTL_ELBO()
+    gradient_draws(elbo, gm.model, guide, steps)
+    stl = grads_on_seed(TraceSTL_ELBO(), gm.model, guide, 1)
+    assert_same(grads_on_seed(elbo, gm.model, guide, 1), stl)  # at STL
+    pyro.clear_param_store()
+    gm, guide = problem(D=3)
+    guide()
+    for seed in range(4):
+        ours = grads_on_seed(elbo, gm.model, guide, seed)
+        assert_same(ours, grads_on_seed(PyroTrace_ELBO(), gm.model, guide, seed))
+
+
+def test_uncentred_switch_never_mixes():
+    """mix_gain=inf with center=False is a switch too: every step of 60, with the default
+    gate, is Pyro's Trace_ELBO's or STL's gradient on the same seed (issue 27)."""
+    gm, guide = _settling_problem()
+    elbo = TraceAdaptiveSTL_ELBO(mix_gain=math.inf, center=False)
+    for seed in range(60):
+        ours = grads_on_seed(elbo, gm.model, guide, seed)
+        refs = (
+            grads_on_seed(PyroTrace_ELBO(), gm.model, guide, seed),
+            grads_on_seed(TraceSTL_ELBO(), gm.model, guide, seed),
+        )
+        assert any(all(torch.allclose(ours[k], r[k], atol=1e-6) for k in r) for r in refs), seed
+        with torch.no_grad():
+            for k, p in leaves():
+                p.sub_(0.01 * ours[k])
+
+
+@pytest.mark.parametrize(
+    "name, value",
+    [
+        ("decay", "0.9"),
+        ("clip", "2"),
+        ("warmup", "3"),
+        ("warmup", 2.5),
+        ("confidence", "2"),
+        ("fixed_weight", "a"),
+        ("fixed_weight", torch.tensor([0.5, 0.2])),
+        ("center", "yes"),
+        ("distributed", "yes"),
+        ("schedule", {"measure_every": 2}),
+        ("mix_gain", "2"),
+    ],
+)
+@pytest.mark.parametrize("cls", [TraceAdaptiveSTL_ELBO, TraceAdaptiveDReG_ELBO])
+def test_bad_argument_types_name_the_argument(cls, name, value):
+    if name == "mix_gain" and cls is TraceAdaptiveDReG_ELBO:
+        return  # (DReG has no mix_gain)
+    with pytest.raises(TypeError, match=f"{cls.__name__}: {name} must be"):
+        cls(**{name: value})
+
+
+@pytest.mark.parametrize(
+    "field, value, exc",
+    [("measure_every", 0, ValueError), ("calm", -1.0, ValueError), ("refit", "4", TypeError)],
+)
+def test_bad_schedule_config(field, value, exc):
+    with pytest.raises(exc, match=f"ScheduleConfig: {field} must be"):
+        ScheduleConfig(**{field: value})
+    with pytest.raises(ValueError, match="measure_max must be >= measure_every"):
+        ScheduleConfig(measure_every=8, measure_max=4)
+
+
+def test_schedule_config_sets_when_settled_steps_measure():
+    """The schedule's constants come from the constructor: ``measure_every=2, measure_max=4``
+    measures after 1, then 3, then 3 direct steps."""
+    config = ScheduleConfig(measure_every=2, measure_max=4)
+    gm, guide = _settling_problem()
+    elbo = TraceAdaptiveSTL_ELBO(schedule=config)
+    elbo.schedule.gate.bound = lambda: math.inf  # the measurement schedule alone
+    gradient_draws(elbo, gm.model, guide, 40)
+    _mixed_fit_with_endpoint(elbo, ratio=1.01)
+    (st,) = elbo.control_variate.state.values()
+    elbo.schedule.last_end = None
+    measured = []
+    for seed in range(12):
+        before = st["n"]
+        grads_on_seed(elbo, gm.model, guide, seed)
+        if st["n"] != before:
+            measured.append(seed)
+    assert measured == _measured_steps(config, 12) == [1, 5, 9]
