@@ -138,6 +138,10 @@ class ControlVariate:
         st = self.state.get(key)
         return st is not None and st["n"] > self.warmup and st["qw"] > 0
 
+    def moments(self, key: str) -> dict[str, torch.Tensor]:
+        """``key``'s running sums by name (``sp``, ``sc``, ``spp``, ``spc``, ``scc``, ...)."""
+        return dict(zip(_KEYS, self.state[key]["buf"].unbind(0)))
+
     def count(self, key: str | None) -> int:
         """How many updates ``key`` has had."""
         st = self.state.get(key)
@@ -224,21 +228,22 @@ class ControlVariate:
     _SETTINGS = ("decay", "clip", "warmup", "center", "confidence", "fixed_weight")
 
     def state_dict(self) -> dict:
-        """Settings, moments and the fits in use (copies): a resumed run applies the same ``b``."""
-
-        moments = {key: _copy(st) for key, st in self.state.items()}
+        """Settings, moments (one tensor each, copies) and the fits in use: a resumed run
+        applies the same ``b``."""
+        moments, fits = {}, {}
+        for key, st in self.state.items():
+            moments[key] = {k: v.clone() for k, v in zip(_KEYS, st["buf"].unbind(0))}
+            moments[key].update({k: v for k, v in st.items() if k not in ("buf", "fit")})
+            if st["fit"] is not None:
+                fits[key] = _copy(st["fit"])
+        layouts = {k: list(v) for k, v in self.layouts.items()}
         settings = {k: getattr(self, k) for k in self._SETTINGS}
-        return {
-            **settings,
-            "layouts": {k: list(v) for k, v in self.layouts.items()},
-            "moments": moments,
-        }
+        return {**settings, "layouts": layouts, "moments": moments, "fits": fits}
 
     def load_state_dict(self, state: dict) -> None:
         missing = {k for k in (*self._SETTINGS, "layouts", "moments") if k not in state}
         for st in state.get("moments", {}).values():
-            if "buf" not in st:  # moments kept as separate tensors by an older version
-                missing |= {"buf", *(k for k in _KEYS if k not in st)}
+            missing |= {k for k in _KEYS if k not in st}
         if missing:
             raise ValueError(
                 f"this control-variate state lacks {sorted(missing)}: it was saved by an older "
@@ -246,7 +251,12 @@ class ControlVariate:
             )
         for k in self._SETTINGS:
             setattr(self, k, state[k])
-        self.state = {key: _copy(st) for key, st in state["moments"].items()}
+        self.state = {}
+        for key, st in state["moments"].items():
+            new = {k: v for k, v in st.items() if k not in _KEYS}
+            new["buf"] = torch.stack([st[k] for k in _KEYS])  # one buffer, owned here
+            new["fit"] = _copy(state["fits"][key]) if key in state.get("fits", {}) else None
+            self.state[key] = new
         self.layouts = {k: [(n, tuple(s)) for n, s in v] for k, v in state["layouts"].items()}
 
     # pickle and deepcopy go through the same copies (no views shared between entries)

@@ -179,7 +179,7 @@ def check_mix(name):
     st = elbo.control_variate.state[key]
     cv = elbo.control_variate
     st["n"], st["qw"] = 10**6, 1.0
-    b = torch.linspace(-0.5, 2.0, st["buf"][0].numel())
+    b = torch.linspace(-0.5, 2.0, cv.moments(key)["scc"].numel())
     cv.fit(key).update(b=b, views=None, constant=None)
     st["age"] = -(10**6)
     g = _grads(elbo, model, guide, 7, by_name=True)
