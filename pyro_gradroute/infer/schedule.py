@@ -184,22 +184,34 @@ class Schedule:
         ratio = s_end / s_mix if s_mix > 0 else 1.0
         return (best if s_end <= self.mix_gain * s_mix else None), ratio
 
+    def constant(self, cv, key: str) -> float | None:
+        """The weight every element of ``key`` takes on the next measured step, where they all
+        take the same (``fixed_weight``, 1 in warm-up, an endpoint), else ``None``."""
+        if cv.fixed_weight is not None:
+            return cv.fixed_weight
+        fit = cv.fit(key)
+        if fit is None:
+            return 1.0
+        if self.mix_gain == math.inf:  # a switch: the endpoint predicted better
+            s_mix, s0, s1 = fit["moments"]
+            return 0.0 if s0 <= s1 else 1.0
+        return fit["constant"]
+
     def weights(self, cv, names: list[str], likes: list[torch.Tensor]) -> list[torch.Tensor]:
         """The weights a measured step applies: the fit's, or its endpoint in switch mode."""
-        bs = cv.weights(names, likes)
-        if self.mix_gain == math.inf and cv.fixed_weight is None:
-            fit = cv.fit(cv.key(names, likes))
-            if fit is not None:
-                s_mix, s0, s1 = fit["moments"]
-                bs = [torch.full_like(t, 0.0 if s0 <= s1 else 1.0) for t in likes]
-        return bs
+        if self.mix_gain != math.inf or cv.fixed_weight is not None:
+            return cv.weights(names, likes)
+        e = self.constant(cv, cv.key(names, likes))
+        return [torch.full_like(t, e) for t in likes]
 
     def all_weights(self, cv) -> dict[str, torch.Tensor]:
         """``{name: b}`` the next measured step applies, for every parameter with moments."""
         out: dict[str, torch.Tensor] = {}
         for key, st in cv.state.items():
             names = [n for n, _ in cv.layouts[key]]
-            out.update(zip(names, self.weights(cv, names, list(cv.split(key, st["buf"][0]).values()))))
+            out.update(
+                zip(names, self.weights(cv, names, list(cv.split(key, st["buf"][0]).values())))
+            )
         return out
 
     def decide(self, cv) -> Step:

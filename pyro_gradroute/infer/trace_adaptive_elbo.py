@@ -517,7 +517,7 @@ class TraceAdaptiveSTL_ELBO(_Adaptive, TraceSTL_ELBO):
                     if keys is None:
                         keys = names
                         key = cv.key(keys, [c for _, _, c in parts]) if keys else ""
-                        const = self._constant(key)
+                        const = sch.constant(cv, key)
                         feed = sch.mix_gain is not None and const == sch.gate.e
                         if const != 1.0 and keys:
                             bs = sch.weights(cv, keys, [c for _, _, c in parts])
@@ -572,19 +572,6 @@ class TraceAdaptiveSTL_ELBO(_Adaptive, TraceSTL_ELBO):
             elif not ok:
                 sch.one_pass = False  # later measured steps: the two-backward path
         return loss
-
-    def _constant(self, key: str) -> float | None:
-        """The weight every element of ``key`` takes next where they all take the same."""
-        cv = self.control_variate
-        if cv.fixed_weight is not None:
-            return cv.fixed_weight
-        fit = cv.fit(key)
-        if fit is None:
-            return 1.0
-        if self.schedule.mix_gain == math.inf:
-            s_mix, s0, s1 = fit["moments"]
-            return 0.0 if s0 <= s1 else 1.0
-        return fit["constant"]
 
     def _refuse_enumeration(self, model_trace, guide_trace) -> None:
         for name, site in model_trace.nodes.items():

@@ -281,7 +281,10 @@ def test_differentiable_loss_is_the_endpoints_trace_enum_elbo():
         loss = elbo.differentiable_loss(model, guide, DATA)
         return loss.item(), torch.autograd.grad(loss, params)
 
-    (v, gs), (v_ref, gs_ref) = value_and_grads(_ours()), value_and_grads(TraceEnum_ELBO(max_plate_nesting=1))
+    (v, gs), (v_ref, gs_ref) = (
+        value_and_grads(_ours()),
+        value_and_grads(TraceEnum_ELBO(max_plate_nesting=1)),
+    )
     assert v == pytest.approx(v_ref, rel=1e-6)
     for g, r in zip(gs, gs_ref):
         _close(g, r, "differentiable_loss gradient")

@@ -179,6 +179,7 @@ def test_endpoints_dreg(K, b):
     )
 
 
+@pytest.mark.slow
 def test_dreg_control_variate_has_mean_zero():
     """E[IWAE - DReG] = 0 for the guide: the adaptive mix is unbiased for any b."""
     conditional_guide(X)
@@ -468,6 +469,7 @@ class SharedParams:
         pyro.sample("z", dist.Normal((theta + self.x) / 2, math.sqrt(0.5)))
 
 
+@pytest.mark.slow
 def test_shared_parameters_b_goes_to_one():
     c = SharedParams()
     elbo = TraceAdaptiveSTL_ELBO(decay=0.98)
@@ -485,6 +487,7 @@ def test_shared_parameters_b_goes_to_one():
 # ------------------------------------------------------------------ variance on the D=10 Gaussian
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("t", [0.3, 1.0, 3.0])
 def test_variance_below_half_of_the_better_estimator(t):
     D, n = 10, 20
@@ -602,6 +605,7 @@ def _distributed_worker(rank, world_size):
     return {"b": elbo.control_variate_weights(), "params": params}
 
 
+@pytest.mark.slow
 def test_distributed_weights_identical_on_every_rank(tmp_path):
     from tests.distributed.launch import run_ranks
 
@@ -864,7 +868,9 @@ def test_gate_opens_where_the_mix_pays():
     step measures until the policy settles, and the weights reach STL."""
     gm, guide = _exact_posterior_problem()
     elbo = TraceAdaptiveSTL_ELBO()
-    first = elbo.control_variate.warmup + elbo.schedule.config.fresh  # measured steps until the policy settles
+    first = (
+        elbo.control_variate.warmup + elbo.schedule.config.fresh
+    )  # measured steps until the policy settles
     gradient_draws(elbo, gm.model, guide, 1)  # the first step measures
     (st,) = elbo.control_variate.state.values()
     steps = 1
@@ -1229,7 +1235,9 @@ def _auto_normal_at_posterior(D):
 def test_a_parameter_whose_shape_changes_restarts_at_trace_elbo(guide_kind, steps):
     """After 30 steps at STL, a new problem reusing the names with other shapes: the next steps
     are Pyro's Trace_ELBO on the same seed, not STL (issue 27)."""
-    problem = _exact_posterior_problem if guide_kind == "hand-written" else _auto_normal_at_posterior
+    problem = (
+        _exact_posterior_problem if guide_kind == "hand-written" else _auto_normal_at_posterior
+    )
     gm, guide = problem(D=2)
     elbo = TraceAdaptiveSTL_ELBO()
     gradient_draws(elbo, gm.model, guide, steps)
