@@ -231,6 +231,19 @@ class _Adaptive:
         self.control_variate.layouts.clear()
         self.schedule.reset()
 
+    def _stl(self, guide):
+        """``stick_the_landing(guide)``, one wrapper per guide (kept: a new handler's first run
+        costs more than its later ones)."""
+        cached = self.__dict__.get("_stl_guide")
+        if cached is None or cached[0] is not guide:
+            cached = self._stl_guide = (guide, stick_the_landing(guide))
+        return cached[1]
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state.pop("_stl_guide", None)  # a cache (and the user's guide is not the estimator's)
+        return state
+
     def differentiable_loss(self, model, guide, *args, **kwargs) -> torch.Tensor:
         r"""The loss whose gradient is :math:`p + b \odot c`; every call measures and is a
         step of the moments (call it once per step)."""
@@ -463,7 +476,7 @@ class TraceAdaptiveSTL_ELBO(_Adaptive, TraceSTL_ELBO):
             return RoutedELBO.loss_and_grads(self, model, guide, *args, **kwargs)
         self._sync()
         return self._pyro.loss_and_grads(
-            model, guide if end == 1.0 else stick_the_landing(guide), *args, **kwargs
+            model, guide if end == 1.0 else self._stl(guide), *args, **kwargs
         )
 
     def _sync(self) -> None:
@@ -703,7 +716,7 @@ class TraceEnumAdaptiveSTL_ELBO(TraceAdaptiveSTL_ELBO):
     def differentiable_loss(self, model, guide, *args, **kwargs) -> torch.Tensor:
         end = self.schedule.endpoint(self.control_variate)[0]
         self._sync()
-        guide = guide if end in (None, 1.0) else stick_the_landing(guide)
+        guide = guide if end in (None, 1.0) else self._stl(guide)
         return self._pyro.differentiable_loss(model, guide, *args, **kwargs)
 
     def _not_one_pass(self, why: str) -> None:
@@ -726,5 +739,5 @@ class TraceEnumAdaptiveSTL_ELBO(TraceAdaptiveSTL_ELBO):
     def _endpoint(self, end: float, model, guide, args, kwargs) -> float:
         self._sync()
         return self._pyro.loss_and_grads(
-            model, guide if end == 1.0 else stick_the_landing(guide), *args, **kwargs
+            model, guide if end == 1.0 else self._stl(guide), *args, **kwargs
         )
