@@ -89,6 +89,13 @@ def _param_name(p: torch.Tensor) -> str:
     return name if name is not None else f"<unnamed parameter {id(p):x}>"
 
 
+def _layout(names: list[str], params: list) -> list | None:
+    """``[(param-store name, shape)]``, or ``None`` where a parameter is outside the store."""
+    if any(n.startswith("<unnamed") for n in names):
+        return None
+    return [(n, tuple(p.shape)) for n, p in zip(names, params)]
+
+
 def _trace_params(*traces) -> list[torch.Tensor]:
     """The leaves of the traces' ``param`` sites (unconstrained), in trace order."""
     out, seen = [], set()
@@ -328,9 +335,7 @@ class _Adaptive:
         p, c = self.control_variate.update(keys, paths, cvs)
         if sch.mix_gain is not None:  # what a direct step at the gate's endpoint applies
             sch.gate.update(p if sch.gate.e == 0.0 else p + sch.gate.e * c)
-        named = not any(k.startswith("<") for k in keys)
-        layout = [(k, tuple(t.shape)) for k, t in zip(keys, order)] if named else None
-        sch.measured(self.control_variate.key(keys, order), layout, routed)
+        sch.measured(self.control_variate.key(keys, order), _layout(keys, order), routed)
         if sch.one_pass is None:
             sch.one_pass = one_pass
 
@@ -575,7 +580,7 @@ class TraceAdaptiveSTL_ELBO(_Adaptive, TraceSTL_ELBO):
                     cv.forget(sch.key)  # the two-backward path's state (a first step)
                 cv.update(keys, [acc[k][0] for k in keys], [acc[k][1] for k in keys])
                 ps = [params[k] for k in sorted(params)]
-                sch.measured(key, [(k, tuple(params[k].shape)) for k in sorted(params)], routed)
+                sch.measured(key, _layout(sorted(params), ps), routed)
                 if feed and ps:  # the step's own gradient, in the layout's order
                     gs = [
                         (torch.zeros_like(p) if p.grad is None else p.grad).reshape(-1) for p in ps
