@@ -9,9 +9,10 @@ earlier steps only (so :math:`\mathbb E[g(b)] = \mathbb E[p]`). Elementwise,
 :math:`p` and :math:`c` per *key* (one vector: the concatenated parameters of a step) and
 fits :math:`b` from them (:meth:`ControlVariate.fit`).
 
-Everything is elementwise: a decision per parameter (tensor) is a sum over that parameter's
-slice of the elementwise quantities (:meth:`ControlVariate.split`,
-:meth:`ControlVariate.second_moments`).
+Everything is elementwise: the fit holds the per-element terms of the predicted second moments
+(``fit["elementwise"]``) beside their totals (``fit["moments"]``, what the schedule reads), so a
+decision per parameter (tensor) sums the terms over that parameter's slice
+(:meth:`ControlVariate.split`).
 """
 
 from __future__ import annotations
@@ -190,20 +191,29 @@ class ControlVariate:
         b = end + shrink * (b_hat - end)
         constant = next((v for v in (0.0, 1.0) if bool((b == v).all())), None)
         fit = {"b": b, "b_hat": b_hat, "se": se, "endpoint": end, "n_eff": n_eff}
-        return {**fit, "constant": constant, "moments": self._second_moments(m, w1, b)}
+        el = self._second_moments(m, w1, b)
+        mean2 = float(el["mean2"].sum())
+        totals = (
+            max(float(el["mix"].sum()), 0.0),
+            float(el["stl"].sum()),
+            float(el["trace"].sum()),
+        )
+        moments = tuple(mean2 + t for t in totals)
+        return {**fit, "constant": constant, "elementwise": el, "moments": moments}
 
     @staticmethod
-    def _second_moments(m: dict, w1: float, b: torch.Tensor) -> tuple[float, float, float]:
-        r"""``(S(b), S(0), S(1))``: :math:`S(b) = \lVert \bar p \rVert^2 + \sum_e
-        \operatorname{Var} p_e + 2 b_e \operatorname{Cov}(p_e, c_e) + b_e^2 \operatorname{Var} c_e`,
-        the predicted second moment of the gradient at weights ``b`` and at both endpoints."""
+    def _second_moments(m: dict, w1: float, b: torch.Tensor) -> dict[str, torch.Tensor]:
+        r"""The elementwise terms of the predicted second moment :math:`S(b) = \sum_e ar p_e^2 +
+        \operatorname{Var} p_e + 2 b_e \operatorname{Cov}(p_e, c_e) + b_e^2 \operatorname{Var} c_e`:
+        ``mean2`` (:math:`ar p_e^2`) and the variance at ``b`` (``mix``), 0 (``stl``) and 1
+        (``trace``). The fit's ``moments`` are their totals, :math:`(S(b), S(0), S(1))`; a
+        decision per parameter sums them over its slice (:meth:`split`)."""
         mp, mc = m["sp"] / w1, m["sc"] / w1
         var_p = (m["spp"] / w1 - mp.square()).clamp_min(0)
         cov = m["spc"] / w1 - mp * mc
         var_c = (m["scc"] / w1 - mc.square()).clamp_min(0)
-        mean2 = float(mp.square().sum())
-        s_mix = mean2 + max(float((var_p + b * (2 * cov + b * var_c)).sum()), 0.0)
-        return s_mix, mean2 + float(var_p.sum()), mean2 + float((var_p + 2 * cov + var_c).sum())
+        mix = var_p + b * (2 * cov + b * var_c)
+        return {"mean2": mp.square(), "mix": mix, "stl": var_p, "trace": var_p + 2 * cov + var_c}
 
     def weights(self, names: list[str], likes: list[torch.Tensor]) -> list[torch.Tensor]:
         """The ``b`` of each parameter this step applies (from earlier steps only): ones in
@@ -269,9 +279,9 @@ class ControlVariate:
         self.load_state_dict(d["state"])
 
 
-def _copy(st: dict) -> dict:
-    """A copy of one key's state (its fit's cached views left out)."""
-    out = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in st.items() if k != "views"}
-    if isinstance(out.get("fit"), dict):
-        out["fit"] = _copy(out["fit"])
-    return out
+def _copy(d: dict) -> dict:
+    """A copy of a state (its fit's cached views left out)."""
+    copy = {k: v for k, v in d.items() if k != "views"}
+    for k, v in copy.items():
+        copy[k] = v.clone() if torch.is_tensor(v) else _copy(v) if isinstance(v, dict) else v
+    return copy
