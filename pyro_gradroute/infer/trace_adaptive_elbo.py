@@ -373,7 +373,10 @@ class TraceAdaptiveSTL_ELBO(_Adaptive, TraceSTL_ELBO):
     named ``"<site>.loc"``, ``"<site>.scale"``), else with a second backward of the score parts.
     :class:`~pyro_gradroute.infer.schedule.Schedule` picks the kind from earlier steps
     (``mix_gain``, ``schedule``). ``differentiable_loss`` and distributed runs measure every
-    step. ``block_grad`` routes apply to both parts.
+    step. ``block_grad`` routes apply to both parts. A parameter of the last measured step that
+    changes shape or leaves the param store starts the estimator again at ``Trace_ELBO``. The
+    state survives ``pickle``, ``deepcopy``, ``torch.save`` and ``state_dict`` (each copy takes
+    the same next steps).
 
     Example::
 
