@@ -257,12 +257,12 @@ def heldout_table(steps, seeds, K=8):
 
 # ----------------------------------------------------------------------------- (d)
 def buffer_bytes(elbo) -> int:
-    """Bytes of the estimator's moment buffers (distinct storages: the moments are views)."""
-    state = getattr(elbo, "_cv", None)
-    if state is None:
+    """Bytes of the estimator's moment buffers (distinct storages)."""
+    cv = getattr(elbo, "control_variate", None)
+    if cv is None:
         return 0
     seen = {}
-    for st in state.state.values():
+    for st in cv.state.values():
         for v in st.values():
             if torch.is_tensor(v):
                 storage = v.untyped_storage()

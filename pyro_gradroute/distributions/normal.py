@@ -16,11 +16,18 @@ these (times the site's scale and mask), so one backward that sees the gradient 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
+from pyro.distributions import Delta
+from pyro.distributions.torch_distribution import ExpandedDistribution, MaskedDistribution
 from pyro.distributions.util import scale_and_mask
+from pyro.poutine.util import site_is_subsample
 from torch.distributions import Independent, Normal, TransformedDistribution
 
-__all__ = ["plain_normal", "normal_pushforward", "normal_score"]
+from ..routing import passes_product, reached_nodes, reaches_leaf_directly
+
+__all__ = ["NormalSite", "normal_pushforward", "normal_score", "normal_sites", "plain_normal"]
 
 
 def plain_normal(fn) -> tuple[Normal | None, int]:
@@ -131,3 +138,89 @@ def normal_score(
             w = w.reshape(w.shape + (1,) * event_ndims)
         out = [(k, t, g * w) for k, t, g in out]
     return [(k, t, g if g.shape == t.shape else g.sum_to_size(t.shape)) for k, t, g in out]
+
+
+class NormalSite(NamedTuple):
+    """A guide site whose score part is read at its ``Normal``'s parameters."""
+
+    name: str
+    base: Normal
+    event_ndims: int
+    transforms: list  # parameter-free bijections pushing the Normal forward, in order
+
+
+def delta_of(fn):
+    """The ``Delta`` inside ``fn`` (under ``Independent``, ``expand``, ``mask``), or ``None``."""
+    while isinstance(fn, (Independent, ExpandedDistribution, MaskedDistribution)):
+        fn = fn.base_dist
+    return fn if isinstance(fn, Delta) else None
+
+
+def normal_sites(trace) -> list[NormalSite] | str:
+    r"""The guide sites whose score part is closed-form at their ``Normal``'s parameters, or
+    the reason (naming the site) why a site is not one.
+
+    Qualifies a guide trace whose latent sites are each: a reparameterized site marked
+    ``infer={"stl": False}`` (no score part taken); a ``Delta`` whose density and value reach
+    the parameters only through earlier samples (no score part of its own); or a ``Normal``
+    (:func:`normal_pushforward`: also pushed forward by parameter-free elementwise bijections,
+    as ``LogNormal``) whose ``loc`` and ``scale`` read no earlier sample and come from no
+    matrix product (not amortized), drawn by that ``Normal`` (its value carries the
+    parameters' graph), outside any subsampled plate. Its score part is then
+    :func:`normal_score` at :math:`u = T^{-1}(z)`, the ``Normal``'s own draw.
+
+    Example::
+
+        >>> import torch, pyro, pyro.distributions as dist
+        >>> from pyro import poutine
+        >>> def guide():
+        ...     m = pyro.param("m", torch.tensor(0.0))
+        ...     pyro.sample("a", dist.LogNormal(m, 1.0))
+        ...     pyro.sample("b", dist.Gamma(2.0, pyro.param("r", torch.tensor(1.0))))
+        >>> normal_sites(poutine.trace(guide).get_trace())
+        "guide site 'b' is a Gamma, not a plain Normal"
+    """
+    out, nodes = [], {}
+    for name, site in trace.nodes.items():
+        if site["type"] != "sample" or site["is_observed"]:
+            continue
+        if site_is_subsample(site) or site["infer"].get("enumerate"):
+            return f"guide site '{name}' is enumerated or a subsample site"
+        fn, value = site["fn"], site["value"]
+        grad = torch.is_tensor(value) and value.requires_grad
+        delta = delta_of(fn)
+        if delta is not None:
+            ld = delta.log_density
+            if (
+                torch.is_tensor(ld)
+                and ld.requires_grad
+                and reaches_leaf_directly(ld, stop_nodes=nodes)
+            ):
+                return f"guide site '{name}' is a Delta whose density reads parameters"
+            if (
+                site["infer"].get("is_auxiliary")
+                and grad
+                and reaches_leaf_directly(value, stop_nodes=nodes)
+            ):
+                return f"guide site '{name}' is an auxiliary Delta of parameters"
+        elif not getattr(fn, "has_rsample", False):
+            return f"guide site '{name}' is not reparameterized"
+        elif site["infer"].get("stl", True) is not False:
+            base, nd, transforms = normal_pushforward(fn)
+            if base is None:
+                return f"guide site '{name}' is a {type(fn).__name__}, not a plain Normal"
+            ps = [t for t in (base.loc, base.scale) if t.requires_grad]
+            if ps:
+                if not grad or reached_nodes(ps, nodes):
+                    return f"guide site '{name}' reads an earlier sample (or was replayed)"
+                if passes_product(ps, nodes):
+                    return f"guide site '{name}' is amortized (a network computes it)"
+                if any(
+                    f.full_size is not None and f.full_size != f.size
+                    for f in site["cond_indep_stack"]
+                ):
+                    return f"guide site '{name}' is in a subsampled plate"
+                out.append(NormalSite(name, base, nd, transforms))
+        if torch.is_tensor(value) and value.grad_fn is not None:
+            nodes[value.grad_fn] = len(nodes)
+    return out

@@ -1,11 +1,11 @@
 """Estimators: ELBOs built from one trace per particle and named, routable terms."""
 
 from .elbo import RoutedELBO
-from .trace_adaptive_elbo import (
-    TraceAdaptiveDReG_ELBO,
-    TraceAdaptiveSTL_ELBO,
-    TraceEnumAdaptiveSTL_ELBO,
-)
+from .schedule import (
+    ScheduleConfig as ScheduleConfig,
+)  # (public: the adaptive estimators' schedule=)
+from .trace_adaptive_dreg_elbo import TraceAdaptiveDReG_ELBO
+from .trace_adaptive_elbo import TraceAdaptiveSTL_ELBO, TraceEnumAdaptiveSTL_ELBO
 from .trace_dreg_elbo import ReweightedWakeSleepDReG, TraceDReG_ELBO
 from .trace_elbo import Trace_ELBO
 from .trace_stl_elbo import TraceSTL_ELBO

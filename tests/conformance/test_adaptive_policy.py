@@ -20,7 +20,8 @@ for a frozen ``b`` the same-draw reference is ``(1 - b) * STL + b * Trace`` (Pyr
   each endpoint, and measures nothing (the moments do not move);
 * ``switch``: ``mix_gain=math.inf`` (the measured switch), its gate held open so that it
   measures: every step, warm-up, fresh phase and settled, is one whole estimator's gradient,
-  Pyro's ``Trace_ELBO``'s or the STL reference's, on the same seed;
+  Pyro's ``Trace_ELBO``'s or the STL reference's, on the same seed; ``switch_uncentered``: the
+  same with ``center=False`` (the fit through 0 never makes the switch mix);
 * ``zero``: at the exact posterior (where the guide family holds it) the default policy moves to
   STL after its warm-up, and the guide parameters' gradient is then zero to round-off.
 """
@@ -64,6 +65,7 @@ ONE_PASS = {
     "TransformReparam",
     "LogNormal",
     "sigmoid_tail_AutoNormal",
+    "sigmoid_tail",  # a Normal pushed forward by a sigmoid (one classifier: any parameter-free bijection)
 }
 
 
@@ -130,8 +132,8 @@ def check_frozen(case):
                         f"{case.name}: b frozen at {b} != (1 - b) STL + b Trace (seed {seed})\n{m}"
                     ),
                 )
-            assert bool(elbo._one_pass) == (case.name in ONE_PASS), (
-                f"{case.name}: measured steps in one pass: {elbo._one_pass}"
+            assert bool(elbo.schedule.one_pass) == (case.name in ONE_PASS), (
+                f"{case.name}: measured steps in one pass: {elbo.schedule.one_pass}"
             )
 
 
@@ -165,13 +167,13 @@ def _check_endpoint_steps(case, measured, prepare, what):
             return
         for end in (1.0, 0.0):
             elbo = _default(case)
-            open_gate(elbo._gate)
+            open_gate(elbo.schedule.gate)
             for seed in range(100, 100 + measured):
                 _ours(c, elbo, seed)
-            if not elbo._cv.state:
+            if not elbo.control_variate.state:
                 return  # no score part anywhere: nothing to choose
             prepare(elbo, end)
-            (st,) = elbo._cv.state.values()
+            (st,) = elbo.control_variate.state.values()
             n0 = st["n"]
             g = _ours(c, elbo, 1)
             assert st["n"] == n0, f"{case.name}: the {what} measured"
@@ -180,20 +182,23 @@ def _check_endpoint_steps(case, measured, prepare, what):
 
 def _settled_as_good(elbo, end):
     """Settled, mixed weights, endpoint ``end`` predicted as good: a direct step is next."""
-    for st in elbo._cv.state.values():
-        st["n"], st["age"] = 10**6, -(10**6)
-        fit = elbo._cv._fit(st)
-        fit["b"] = torch.full_like(fit["b"], 0.5)
-        fit["direct"] = end
-        st["fit"] = fit
-    elbo._unmeasured = 0
+    cv = elbo.control_variate
+    for key, st in cv.state.items():
+        st["n"] = 10**6
+        fit = cv.fit(key)
+        st["age"] = -(10**6)
+        fit.update(b=torch.full_like(fit["b"], 0.5), constant=None, views=None)
+        # predicted second moments (mix, STL, Trace_ELBO): the endpoint as good as the mix
+        fit["moments"] = (1.0, 1.0, 2.0) if end == 0.0 else (1.0, 2.0, 1.0)
+    elbo.schedule.unmeasured = 0
 
 
 def _quiet_gate(elbo, end):
     """No weights could gain over ``end``: the gate takes the next step directly."""
-    elbo._gate.reset(end)
-    elbo._gate.bound = lambda: 1.0
-    elbo._gate.known = lambda: True
+    gate = elbo.schedule.gate
+    gate.reset(end)
+    gate.bound = lambda: 1.0
+    gate.known = lambda: True
 
 
 def check_direct(case):
@@ -206,13 +211,13 @@ def check_gate(case):
     _check_endpoint_steps(case, 1, _quiet_gate, "gate's step")
 
 
-def check_switch(case):
+def check_switch(case, center=True):
     with cell(case) as c:
         if _probe(c, "Adaptive", c.model, c.guide, case.raise_for("Adaptive", False)):
             return
         rtol, atol = _tols(case.dtype)
-        elbo = _default(case, mix_gain=math.inf)
-        open_gate(elbo._gate)
+        elbo = _default(case, mix_gain=math.inf, center=center)
+        open_gate(elbo.schedule.gate)
         for seed in range(12):  # past the warm-up (5) into the fresh phase (5) and beyond
             g = _ours(c, elbo, 200 + seed)
             refs = (
@@ -249,7 +254,7 @@ def _cells():
         if spec is not None and not spec.optional:
             continue  # the matrix's raises cells cover these
         out += [(case, "first"), (case, "frozen"), (case, "direct"), (case, "gate")]
-        out.append((case, "switch"))
+        out += [(case, "switch"), (case, "switch_uncentered")]
         if case.build_has_exact:
             out.append((case, "zero"))
     return out
@@ -262,4 +267,5 @@ CELLS = _cells()
 def test_adaptive_policy(case, check):
     checks = {"first": check_first, "frozen": check_frozen, "direct": check_direct}
     checks["gate"], checks["switch"] = check_gate, check_switch
+    checks["switch_uncentered"] = lambda case: check_switch(case, center=False)
     {**checks, "zero": check_zero}[check](case)

@@ -119,7 +119,7 @@ def _close(a, b, msg):
 
 
 def _moments(elbo):
-    return {k: st["n"] for k, st in elbo._cv.state.items()}
+    return {k: st["n"] for k, st in elbo.control_variate.state.items()}
 
 
 def check_first(name):
@@ -140,7 +140,7 @@ def _endpoint(name, measured, prepare, what):
     model, guide = _build(name)
     for end in (1.0, 0.0):
         elbo = _ours()
-        open_gate(elbo._gate)
+        open_gate(elbo.schedule.gate)
         for seed in range(100, 100 + measured):
             _grads(elbo, model, guide, seed)
         prepare(elbo, end)
@@ -162,7 +162,7 @@ def check_gate(name):
 def check_switch(name):
     model, guide = _build(name)
     elbo = _ours(mix_gain=math.inf)
-    elbo._gate.known, elbo._gate.bound = (lambda: True), (lambda: math.inf)
+    open_gate(elbo.schedule.gate)
     for seed in range(12):
         g = _grads(elbo, model, guide, 200 + seed)
         refs = _refs(model, guide, 200 + seed)
@@ -175,18 +175,20 @@ def check_mix(name):
     model, guide = _build(name)
     elbo = _ours(mix_gain=None)
     _grads(elbo, model, guide, 0)
-    (key,) = elbo._cv.state
-    st = elbo._cv.state[key]
+    (key,) = elbo.control_variate.state
+    st = elbo.control_variate.state[key]
+    cv = elbo.control_variate
     st["n"], st["qw"] = 10**6, 1.0
-    b = torch.linspace(-0.5, 2.0, st["scc"].numel())
-    st["fit"], st["age"] = dict(elbo._cv._fit(st), b=b), -(10**6)
+    b = torch.linspace(-0.5, 2.0, cv.moments(key)["scc"].numel())
+    cv.fit(key).update(b=b, views=None, constant=None)
+    st["age"] = -(10**6)
     g = _grads(elbo, model, guide, 7, by_name=True)
     enum = TraceEnum_ELBO(max_plate_nesting=1)
     stl = _grads(enum, model, stick_the_landing(guide), 7, by_name=True)
     trace = _grads(enum, model, guide, 7, by_name=True)
     # every guide parameter here is elementwise in its Normal's loc or scale: that element's
     # weight is the parameter element's
-    for k, w in elbo._cv._split(key, b).items():
+    for k, w in cv.split(key, b).items():
         p = PARAM_OF[name](k)
         _close(g[p], (1 - w) * stl[p] + w * trace[p], f"{name}: per-element weights, {p}")
 
@@ -220,11 +222,69 @@ def test_guide_that_is_not_a_plain_normal_is_refused_naming_the_site():
         _ours().loss_and_grads(mix_model, guide, DATA)
 
 
-def test_block_grad_vectorize_and_differentiable_loss_are_refused():
+def test_block_grad_and_vectorize_are_refused():
     model, guide = _build("mean-field")
     with pytest.raises(ValueError, match="block_grad routes"):
         _ours().loss_and_grads(model, block_grad(guide, sites=["locs"], params=["m"]), DATA)
     with pytest.raises(NotImplementedError, match="vectorize_particles"):
         TraceEnumAdaptiveSTL_ELBO(num_particles=2, vectorize_particles=True, max_plate_nesting=1)
-    with pytest.raises(NotImplementedError, match="differentiable_loss"):
-        _ours().differentiable_loss(model, guide, DATA)
+
+
+@config_enumerate
+def _delta_mixture(data):
+    locs = pyro.sample("locs", dist.Normal(0.0, 10.0).expand([2]).to_event(1))
+    with pyro.plate("data", len(data)):
+        a = pyro.sample("a", dist.Categorical(torch.tensor([0.3, 0.7])))
+        pyro.sample("obs", dist.Normal(locs[a], 1.0), obs=data)
+
+
+@pytest.mark.parametrize("guide_kind", ["AutoDelta", "AutoNormal"])
+def test_every_method_equals_trace_enum_elbo_on_the_same_seed(guide_kind):
+    """``loss``, ``loss_and_grads`` (so ``svi.step``) and ``differentiable_loss`` sum the
+    enumerated site out: each equals ``TraceEnum_ELBO``'s value on the same seed (issue 27)."""
+    from pyro.infer import SVI
+    from pyro.infer.autoguide import AutoDelta
+
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    auto = AutoDelta if guide_kind == "AutoDelta" else AutoNormal
+    guide = auto(poutine.block(_delta_mixture, hide=["a"]))
+    data = DATA * 3
+    guide(data)  # create the parameters (their initialization draws random numbers)
+    ref, ours = TraceEnum_ELBO(max_plate_nesting=1), _ours()
+    for seed in range(3):
+        values = []
+        for method in ("loss", "loss_and_grads", "differentiable_loss"):
+            for elbo in (ref, ours):
+                pyro.set_rng_seed(seed)
+                v = getattr(elbo, method)(_delta_mixture, guide, data)
+                values.append(float(v))
+            for p in pyro.get_param_store().values():
+                p.unconstrained().grad = None
+        for i in range(0, 6, 2):
+            assert values[i + 1] == pytest.approx(values[i], rel=1e-6, abs=1e-5), values
+    svi = SVI(_delta_mixture, guide, pyro.optim.Adam({"lr": 0.01}), ours)
+    pyro.set_rng_seed(5)
+    got = svi.evaluate_loss(data)
+    pyro.set_rng_seed(5)
+    assert got == pytest.approx(ref.loss(_delta_mixture, guide, data), rel=1e-6)
+
+
+def test_differentiable_loss_is_the_endpoints_trace_enum_elbo():
+    """A fresh estimator's ``differentiable_loss`` (endpoint ``b = 1``): ``TraceEnum_ELBO``'s
+    value and gradient on the same seed."""
+    model, guide = _build("mean-field")
+    params = [p.unconstrained() for p in pyro.get_param_store().values()]
+
+    def value_and_grads(elbo):
+        pyro.set_rng_seed(3)
+        loss = elbo.differentiable_loss(model, guide, DATA)
+        return loss.item(), torch.autograd.grad(loss, params)
+
+    (v, gs), (v_ref, gs_ref) = (
+        value_and_grads(_ours()),
+        value_and_grads(TraceEnum_ELBO(max_plate_nesting=1)),
+    )
+    assert v == pytest.approx(v_ref, rel=1e-6)
+    for g, r in zip(gs, gs_ref):
+        _close(g, r, "differentiable_loss gradient")

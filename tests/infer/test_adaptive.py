@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import io
 import math
+import pickle
 
 import pyro
 import pyro.distributions as dist
@@ -16,12 +18,15 @@ from pyro.nn import PyroModule
 from torch.distributions import constraints
 
 from pyro_gradroute.infer import (
+    ScheduleConfig,
     Trace_ELBO,
     TraceAdaptiveDReG_ELBO,
     TraceAdaptiveSTL_ELBO,
     TraceDReG_ELBO,
     TraceSTL_ELBO,
 )
+from pyro_gradroute.infer.control_variate import ControlVariate
+from pyro_gradroute.infer.schedule import Gate, Schedule
 from pyro_gradroute.poutine import block_grad
 from tests.conjugate import GaussianModel, gradient_draws, leaves
 
@@ -41,7 +46,7 @@ def grads_on_seed(elbo, model, guide, seed, *args):
 
 def force_weights(elbo, b: float, model, guide, *args):
     """Freeze every weight at ``b`` (and run two steps that create the moments)."""
-    elbo._cv.fixed_weight = b
+    elbo.control_variate.fixed_weight = b
     for _ in range(2):
         grads_on_seed(elbo, model, guide, 123, *args)
 
@@ -174,6 +179,7 @@ def test_endpoints_dreg(K, b):
     )
 
 
+@pytest.mark.slow
 def test_dreg_control_variate_has_mean_zero():
     """E[IWAE - DReG] = 0 for the guide: the adaptive mix is unbiased for any b."""
     conditional_guide(X)
@@ -264,12 +270,12 @@ def test_frozen_weights_mean_gradient_equals_pyro_trace_elbo_paired(frozen):
     if frozen == "per-element":
         g = torch.Generator().manual_seed(3)
         fixed = {k: 3 * torch.randn(p.shape, generator=g) - 1 for k, p in leaves()}
-        elbo._cv.weight = lambda name, like: fixed[name].to(like)
-        elbo._cv.weight_many = lambda names, likes: [fixed[n].to(t) for n, t in zip(names, likes)]
+        cv = elbo.control_variate
+        cv.weights = lambda names, likes: [fixed[n].to(t) for n, t in zip(names, likes)]
         # frozen, not at an endpoint: every step measures
-        elbo._cv.settled = lambda key: (None, 1.0)
+        elbo.schedule.endpoint = lambda cv: (None, 1.0)
     else:
-        elbo._cv.fixed_weight = float(frozen)
+        elbo.control_variate.fixed_weight = float(frozen)
     ref = PyroTrace_ELBO(max_plate_nesting=1)
     diffs = []
     for seed in range(150):
@@ -313,35 +319,31 @@ def _feed(cv, steps, b_star, noise, gen, shape=(400,), name="p", mean=2.0):
         c = torch.randn(shape, generator=gen, dtype=torch.float64)
         p = mean - b_star * c + noise * torch.randn(shape, generator=gen, dtype=torch.float64)
         parts.append((p, c))
-        cv.update(name, p, c)
+        cv.update([name], [p], [c])
     return parts
 
 
 def test_policy_estimate_matches_naive_two_pass_weighted_least_squares():
     """b_hat is minus the slope of the weighted least-squares fit of g_path on g_cv (with an
     intercept), weights decay^(age), recomputed in two passes from the stored parts."""
-    from pyro_gradroute.infer.trace_adaptive_elbo import _ControlVariate
-
     beta = 0.8
-    cv = _ControlVariate(decay=beta, warmup=0)
+    cv = ControlVariate(decay=beta, warmup=0)
     parts = _feed(cv, 12, 0.3, 1.0, torch.Generator().manual_seed(0), shape=(5,))
     P = torch.stack([p for p, _ in parts])
     C = torch.stack([c for _, c in parts])
     w = beta ** torch.arange(len(parts) - 1, -1, -1, dtype=torch.float64)[:, None]
     pm, cm = (w * P).sum(0) / w.sum(0), (w * C).sum(0) / w.sum(0)
     slope = (w * (P - pm) * (C - cm)).sum(0) / (w * (C - cm) ** 2).sum(0)
-    diag = cv.diagnostics("p")
+    diag = cv.fit("p")
     torch.testing.assert_close(diag["b_hat"], -slope, rtol=1e-9, atol=0)
     assert diag["n_eff"] == pytest.approx((w.sum() ** 2 / (w**2).sum()).item())
 
 
 def test_policy_standard_error_matches_the_spread_of_the_estimate():
     """400 independent elements: the delta-method SE of b_hat against b_hat's spread across them."""
-    from pyro_gradroute.infer.trace_adaptive_elbo import _ControlVariate
-
-    cv = _ControlVariate(decay=0.95, warmup=0)
+    cv = ControlVariate(decay=0.95, warmup=0)
     _feed(cv, 200, 0.3, 1.0, torch.Generator().manual_seed(1))
-    diag = cv.diagnostics("p")
+    diag = cv.fit("p")
     spread = diag["b_hat"].std().item()
     assert 0.8 < diag["se"].mean().item() / spread < 1.25
     assert abs(diag["b_hat"].mean().item() - 0.3) < 4 * spread / 20
@@ -357,12 +359,10 @@ def test_policy_standard_error_matches_the_spread_of_the_estimate():
     ],
 )
 def test_policy_choice(b_star, noise, expect):
-    from pyro_gradroute.infer.trace_adaptive_elbo import _ControlVariate
-
-    cv = _ControlVariate()
+    cv = ControlVariate()
     gen = torch.Generator().manual_seed(2)
     _feed(cv, 100, b_star, noise, gen)
-    b = cv.weight("p", torch.zeros(400, dtype=torch.float64))
+    b = cv.weights(["p"], [torch.zeros(400, dtype=torch.float64)])[0]
     if expect == "stl":
         assert b.abs().max() < 1e-9
     elif expect == "trace":
@@ -373,15 +373,13 @@ def test_policy_choice(b_star, noise, expect):
 
 
 def test_policy_warmup_holds_trace():
-    from pyro_gradroute.infer.trace_adaptive_elbo import _ControlVariate
-
-    cv = _ControlVariate(warmup=5)
+    cv = ControlVariate(warmup=5)
     like = torch.zeros(400, dtype=torch.float64)
-    assert (cv.weight("p", like) == 1).all()  # no state yet
+    assert (cv.weights(["p"], [like])[0] == 1).all()  # no state yet
     _feed(cv, 5, 0.0, 0.0, torch.Generator().manual_seed(3))
-    assert (cv.weight("p", like) == 1).all()  # 5 steps: still warming up
+    assert (cv.weights(["p"], [like])[0] == 1).all()  # 5 steps: still warming up
     _feed(cv, 1, 0.0, 0.0, torch.Generator().manual_seed(4))
-    assert cv.weight("p", like).abs().max() < 1e-9
+    assert cv.weights(["p"], [like])[0].abs().max() < 1e-9
 
 
 _RESET_CASES = {
@@ -419,9 +417,15 @@ def test_parameter_whose_shape_changes_resets_its_state(kind):
 # ------------------------------------------------------------------ at the exact posterior
 
 
-def _exact_posterior_problem():
+def _fit_of(cv, name):
+    """The fit of one parameter (a slice of its joint state's)."""
+    key = next(k for k, layout in cv.layouts.items() if name in dict(layout))
+    return {k: cv.split(key, v)[name] for k, v in cv.fit(key).items() if k in ("b", "endpoint")}
+
+
+def _exact_posterior_problem(D=2):
     """A conjugate model and a mean-field guide at its exact posterior."""
-    gm = GaussianModel(D=2, n=5, prior_cov=torch.eye(2), seed=1)
+    gm = GaussianModel(D=D, n=5, prior_cov=torch.eye(D), seed=1)
     mean, cov = gm.posterior()
 
     def guide():
@@ -441,7 +445,7 @@ def test_policy_picks_stl_at_exact_posterior():
     gradient_draws(elbo, gm.model, guide, 20)
     for name, b in elbo.control_variate_weights().items():
         assert b.abs().max() < 1e-3, name  # STL (the pathwise part is ~0 on every draw)
-        assert (elbo._cv.diagnostics(name)["endpoint"] == 0).all()
+        assert (_fit_of(elbo.control_variate, name)["endpoint"] == 0).all()
     g = gradient_draws(elbo, gm.model, guide, 20)
     assert g.abs().max() < 1e-4
 
@@ -465,6 +469,7 @@ class SharedParams:
         pyro.sample("z", dist.Normal((theta + self.x) / 2, math.sqrt(0.5)))
 
 
+@pytest.mark.slow
 def test_shared_parameters_b_goes_to_one():
     c = SharedParams()
     elbo = TraceAdaptiveSTL_ELBO(decay=0.98)
@@ -482,6 +487,7 @@ def test_shared_parameters_b_goes_to_one():
 # ------------------------------------------------------------------ variance on the D=10 Gaussian
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("t", [0.3, 1.0, 3.0])
 def test_variance_below_half_of_the_better_estimator(t):
     D, n = 10, 20
@@ -599,6 +605,7 @@ def _distributed_worker(rank, world_size):
     return {"b": elbo.control_variate_weights(), "params": params}
 
 
+@pytest.mark.slow
 def test_distributed_weights_identical_on_every_rank(tmp_path):
     from tests.distributed.launch import run_ranks
 
@@ -614,15 +621,15 @@ def test_distributed_weights_identical_on_every_rank(tmp_path):
 def _measuring_schedule_only() -> TraceAdaptiveSTL_ELBO:
     """The estimator with its gate held open (the bound unknown): the measurement schedule alone."""
     elbo = TraceAdaptiveSTL_ELBO()
-    elbo._gate.bound = lambda: math.inf
+    elbo.schedule.gate.bound = lambda: math.inf
     return elbo
 
 
 def _measured(elbo, step) -> bool:
     """Whether ``step()`` measured: the moments moved (or a new state replaced the old one)."""
-    before = {k: st["n"] for k, st in elbo._cv.state.items()}
+    before = {k: st["n"] for k, st in elbo.control_variate.state.items()}
     step()
-    return {k: st["n"] for k, st in elbo._cv.state.items()} != before
+    return {k: st["n"] for k, st in elbo.control_variate.state.items()} != before
 
 
 def _settling_problem():
@@ -638,8 +645,18 @@ def _settling_problem():
     return gm, guide
 
 
-#: the steps (from the first settled one) that measure: one in 4, then in 8, then in 16
-_MEASURED_STEPS = [3, 11, 27]
+def _measured_steps(config, steps=30, grow=True):
+    """The steps (from the first settled one) that measure: after ``measure_every - 1`` direct
+    steps, then waits doubling up to ``measure_max`` (``grow``), else fixed."""
+    out, wait, at = [], config.measure_every, -1
+    while at + wait < steps:
+        at += wait
+        out.append(at)
+        wait = min(2 * wait, config.measure_max) if grow else wait
+    return out
+
+
+_MEASURED_STEPS = _measured_steps(ScheduleConfig())
 
 
 def test_settled_at_an_endpoint_measures_ever_less_often():
@@ -647,11 +664,10 @@ def test_settled_at_an_endpoint_measures_ever_less_often():
     and the measured ones come after 3, then 7, then 15 direct steps."""
     gm, guide = _settling_problem()
     elbo = _measuring_schedule_only()
-    elbo._cv.weight_many = lambda names, likes: [torch.zeros_like(t) for t in likes]
+    elbo.control_variate.weights = lambda names, likes: [torch.zeros_like(t) for t in likes]
     gradient_draws(elbo, gm.model, guide, 40)  # past warm-up and the fresh phase
-    st = next(iter(elbo._cv.state.values()))
-    elbo._cv.weight = lambda name, like: torch.zeros_like(like)  # b = 0 everywhere: settled
-    elbo._last_end = None  # the schedule starts at this first settled step
+    st = next(iter(elbo.control_variate.state.values()))
+    elbo.schedule.last_end = None  # the schedule starts at this first settled step
     n0, measured = st["n"], []
     for seed in range(30):
         before = st["n"]
@@ -694,21 +710,20 @@ def _second_moments(parts, beta, b):
 )
 def test_direct_choice_matches_two_pass_second_moments(b_star, noise, mean, expect):
     """The direct-step rule, against the second moments recomputed from the stored parts."""
-    from pyro_gradroute.infer.trace_adaptive_elbo import _ControlVariate
-
     beta = 0.9
-    cv = _ControlVariate(decay=beta)
+    cv = ControlVariate(decay=beta)
     gen = torch.Generator().manual_seed(3)
     parts = _feed(cv, 60, b_star, noise, gen, shape=(50,), mean=mean)
-    b = cv.weight("p", torch.zeros(50, dtype=torch.float64))
+    b = cv.weights(["p"], [torch.zeros(50, dtype=torch.float64)])[0]
     s_mix, s0, s1 = _second_moments(parts, beta, b)
     best, s_end = (0.0, s0) if s0 <= s1 else (1.0, s1)
     ref = best if s_end <= 1.25 * s_mix else None
     assert ref == expect  # the case is what its label says
-    assert cv.uniform("p") == expect
-    cv.mix_gain = None  # off: only exact endpoints go direct
-    cv.state["p"]["fit"] = None
-    assert cv.uniform("p") is None
+    schedule = Schedule(2.0, beta, ScheduleConfig())
+    schedule.key = "p"
+    assert schedule.endpoint(cv)[0] == expect
+    schedule.mix_gain = None  # off: only exact endpoints go direct
+    assert schedule.endpoint(cv)[0] is None
 
 
 def test_direct_steps_equal_pyro_trace_elbo_and_the_others_measure():
@@ -718,15 +733,8 @@ def test_direct_steps_equal_pyro_trace_elbo_and_the_others_measure():
     gm, guide = _settling_problem()
     elbo = _measuring_schedule_only()
     gradient_draws(elbo, gm.model, guide, 40)  # past warm-up and the fresh phase
-    (key,) = elbo._cv.state
-    st = elbo._cv.state[key]
-    fit = dict(elbo._cv._cached_fit(st, st["scc"]))
-    fit["b"] = torch.full_like(fit["b"], 0.7)  # mixed weights ...
-    fit["direct"] = 1.0  # ... whose better endpoint is within mix_gain: Trace_ELBO directly
-    fit["ratio"] = 1.01  # ... and the mix would gain little: the waits grow
-    fit.pop("views", None)
-    fit.pop("settled", None)
-    st["fit"], st["age"] = fit, -100  # kept for the whole test
+    _mixed_fit_with_endpoint(elbo, ratio=1.01)  # the mix would gain little: the waits grow
+    (st,) = elbo.control_variate.state.values()
     n0, measured = st["n"], []
     for seed in range(30):
         before = st["n"]
@@ -742,6 +750,17 @@ def test_direct_steps_equal_pyro_trace_elbo_and_the_others_measure():
             for k in trace:
                 torch.testing.assert_close(ours[k], stl[k] + 0.7 * (trace[k] - stl[k]))
     assert measured == _MEASURED_STEPS and st["n"] == n0 + 3
+
+
+def _mixed_fit_with_endpoint(elbo, ratio):
+    """Mixed weights (0.7) whose better endpoint, Trace_ELBO, is within mix_gain of the mix
+    (predicted second moments: mix 1, STL 2, Trace_ELBO ``ratio``); kept for the whole test."""
+    cv = elbo.control_variate
+    (key,) = cv.state
+    fit = cv.fit(key)
+    fit.update(b=torch.full_like(fit["b"], 0.7), constant=None, views=None)
+    fit["moments"] = (1.0, 2.0, ratio)
+    cv.state[key]["age"] = -100
 
 
 def test_enumerated_model_site_is_a_clear_error():
@@ -765,26 +784,21 @@ def test_enumerated_model_site_is_a_clear_error():
 
 
 def test_waits_stay_short_while_the_mix_would_gain():
-    """Direct steps whose endpoint is only just within mix_gain (ratio above _CALM): a measured
-    step every 4 steps, the waits do not grow."""
+    """Direct steps whose endpoint is only just within mix_gain (ratio above ``calm``): a
+    measured step every ``measure_every`` steps, the waits do not grow."""
     gm, guide = _settling_problem()
     elbo = _measuring_schedule_only()
     gradient_draws(elbo, gm.model, guide, 40)
-    (key,) = elbo._cv.state
-    st = elbo._cv.state[key]
-    fit = dict(elbo._cv._cached_fit(st, st["scc"]))
-    fit.update(b=torch.full_like(fit["b"], 0.7), direct=1.0, ratio=1.2)
-    fit.pop("views", None)
-    fit.pop("settled", None)
-    st["fit"], st["age"] = fit, -100
-    elbo._last_end = None
+    _mixed_fit_with_endpoint(elbo, ratio=1.2)
+    (st,) = elbo.control_variate.state.values()
+    elbo.schedule.last_end = None
     measured = []
     for seed in range(16):
         before = st["n"]
         grads_on_seed(elbo, gm.model, guide, seed)
         if st["n"] != before:
             measured.append(seed)
-    assert measured == [3, 7, 11, 15]
+    assert measured == _measured_steps(elbo.schedule.config, 16, grow=False) == [3, 7, 11, 15]
 
 
 # ------------------------------------------------------------------ the gate: no measuring while no weights could pay
@@ -793,10 +807,8 @@ def test_waits_stay_short_while_the_mix_would_gain():
 def test_gate_bound_matches_two_pass_second_moments():
     """B = E||g_t||^2 / E<g_t, g_(t-1)> from the running sums, against a two-pass computation
     with the same weights; B estimates S(e) / ||E g||^2."""
-    from pyro_gradroute.infer.trace_adaptive_elbo import _Gate
-
     beta = 0.9
-    gate = _Gate(beta)
+    gate = Gate(beta)
     gen = torch.Generator().manual_seed(0)
     mean = torch.linspace(-1.0, 2.0, 30, dtype=torch.float64)
     gs = [mean + 0.7 * torch.randn(30, generator=gen, dtype=torch.float64) for _ in range(400)]
@@ -806,7 +818,7 @@ def test_gate_bound_matches_two_pass_second_moments():
             assert gate.bound() == math.inf
             continue
         w = beta ** torch.arange(i - 1, -1, -1, dtype=torch.float64)
-        if float(w.sum() ** 2 / (w**2).sum()) < _Gate.MIN_SAMPLES:
+        if float(w.sum() ** 2 / (w**2).sum()) < ScheduleConfig().min_samples:
             assert gate.bound() == math.inf  # too few products: the gate stays open
             continue
         G = torch.stack(gs[: i + 1])
@@ -840,9 +852,9 @@ def test_gate_far_from_the_posterior_takes_pyro_trace_elbo_without_measuring():
     guide = _far_guide(mean, cov, 5.0)
     elbo = TraceAdaptiveSTL_ELBO()
     gradient_draws(elbo, gm.model, guide, 8)
-    (st,) = elbo._cv.state.values()
+    (st,) = elbo.control_variate.state.values()
     n0 = st["n"]
-    assert n0 < 8 and elbo._gate.bound() <= 1.25  # measured only until the bound was known
+    assert n0 < 8 and elbo.schedule.gate.bound() <= 1.25  # measured only until the bound was known
     for seed in range(10):
         ours = grads_on_seed(elbo, gm.model, guide, seed)
         ref = grads_on_seed(PyroTrace_ELBO(), gm.model, guide, seed)
@@ -856,17 +868,19 @@ def test_gate_opens_where_the_mix_pays():
     step measures until the policy settles, and the weights reach STL."""
     gm, guide = _exact_posterior_problem()
     elbo = TraceAdaptiveSTL_ELBO()
-    first = elbo._cv.warmup + elbo._cv._FRESH  # measured steps until the policy settles
+    first = (
+        elbo.control_variate.warmup + elbo.schedule.config.fresh
+    )  # measured steps until the policy settles
     gradient_draws(elbo, gm.model, guide, 1)  # the first step measures
-    (st,) = elbo._cv.state.values()
+    (st,) = elbo.control_variate.state.values()
     steps = 1
     while st["n"] < first:  # the gate's first samples come from direct Trace_ELBO steps
         gradient_draws(elbo, gm.model, guide, 1)
         steps += 1
         # the first step's moments are the general path's: the next measured step, in one
         # pass, keeps its moments per guide site (the state is replaced once)
-        (st,) = elbo._cv.state.values()
-    assert steps <= first + 5 and elbo._gate.bound() > elbo._cv.mix_gain
+        (st,) = elbo.control_variate.state.values()
+    assert steps <= first + 5 and elbo.schedule.gate.bound() > elbo.schedule.mix_gain
     gradient_draws(elbo, gm.model, guide, 10)
     for b in elbo.control_variate_weights().values():
         assert b.abs().max() < 1e-3
@@ -882,12 +896,12 @@ def test_gate_state_is_saved_and_reset():
     gradient_draws(elbo, gm.model, guide, 8)
     resumed = TraceAdaptiveSTL_ELBO()
     resumed.load_state_dict(elbo.state_dict())
-    assert resumed._gate.bound() == elbo._gate.bound() <= 1.25
+    assert resumed.schedule.gate.bound() == elbo.schedule.gate.bound() <= 1.25
     assert_same(
         grads_on_seed(resumed, gm.model, guide, 3), grads_on_seed(elbo, gm.model, guide, 3), atol=0
     )
     resumed.reset()
-    assert resumed._gate.bound() == math.inf
+    assert resumed.schedule.gate.bound() == math.inf
 
 
 @pytest.mark.parametrize("end", [0.0, 1.0])
@@ -900,9 +914,9 @@ def test_gate_direct_steps_keep_block_grad_routes(end):
     ref = (Trace_ELBO if end else TraceSTL_ELBO)(max_plate_nesting=1)
     elbo = TraceAdaptiveSTL_ELBO(max_plate_nesting=1)
     grads_on_seed(elbo, routed_model, conditional_guide, 100, X)  # the first step measures
-    elbo._gate.reset(end)
-    elbo._gate.bound = lambda: 1.0  # quiet: the next steps are direct
-    (st,) = elbo._cv.state.values()
+    elbo.schedule.gate.reset(end)
+    elbo.schedule.gate.bound = lambda: 1.0  # quiet: the next steps are direct
+    (st,) = elbo.control_variate.state.values()
     n0 = st["n"]
     ours = grads_on_seed(elbo, routed_model, conditional_guide, 3, X)
     assert st["n"] == n0
@@ -945,7 +959,7 @@ def test_gate_threshold_is_mix_gain(gain, quiet):
     gm, guide = _exact_posterior_problem()
     elbo = TraceAdaptiveSTL_ELBO(mix_gain=gain)
     grads_on_seed(elbo, gm.model, guide, 0)  # the first step measures (it names the parameters)
-    elbo._gate.known, elbo._gate.bound = (lambda: True), (lambda: 2.5)
+    elbo.schedule.gate.known, elbo.schedule.gate.bound = (lambda: True), (lambda: 2.5)
     assert (not _measured(elbo, lambda: grads_on_seed(elbo, gm.model, guide, 1))) == quiet
 
 
@@ -965,7 +979,7 @@ def _mean_field_model(x):
 
 def _one_pass_after_first(elbo, model, guide, *args):
     grads_on_seed(elbo, model, guide, 11, *args)  # the first step: the general path, which
-    return elbo._one_pass  # finds whether the guide allows one pass
+    return elbo.schedule.one_pass  # finds whether the guide allows one pass
 
 
 @pytest.mark.parametrize("auto", [False, True], ids=["hand-written", "AutoNormal"])
@@ -982,14 +996,15 @@ def test_one_pass_step_equals_the_elementwise_mix_of_pyro_trace_and_stl(auto):
     elbo = TraceAdaptiveSTL_ELBO(mix_gain=None)
     assert _one_pass_after_first(elbo, _mean_field_model, guide, X) is True
     grads_on_seed(elbo, _mean_field_model, guide, 12, X)  # the one-pass state
-    (key,) = elbo._cv.state
+    (key,) = elbo.control_variate.state
     site = "mu_unconstrained" if auto else "mu"  # AutoNormal's draw, before its Delta
-    assert key.split(elbo._cv._SEP) == [f"{site}.loc", f"{site}.scale"]
+    cv = elbo.control_variate
+    assert [n for n, _ in cv.layouts[key]] == [f"{site}.loc", f"{site}.scale"]
     b = torch.tensor([-0.5, 0.25, 2.0, 0.8])  # mu.loc (2), mu.scale (2)
-    st = elbo._cv.state[key]
+    st = cv.state[key]
     st["n"], st["qw"] = 10**6, 1.0
-    fit = dict(elbo._cv._fit(st), b=b)
-    st["fit"], st["age"] = fit, -(10**6)
+    cv.fit(key).update(b=b, views=None, constant=None)
+    st["age"] = -(10**6)
     n0 = st["n"]
     ours = grads_on_seed(elbo, _mean_field_model, guide, 13, X)
     assert st["n"] == n0 + 1
@@ -1008,17 +1023,19 @@ def test_one_pass_parts_equal_the_two_pass_parts(b):
     _mean_field_guide(X)
     elbo = TraceAdaptiveSTL_ELBO(fixed_weight=b)
     assert _one_pass_after_first(elbo, _mean_field_model, _mean_field_guide, X) is True
-    elbo._cv.state.clear()
+    elbo.control_variate.state.clear()
     ours = grads_on_seed(elbo, _mean_field_model, _mean_field_guide, 21, X)
-    (st,) = elbo._cv.state.values()
+    (st,) = elbo.control_variate.state.values()
     trace = grads_on_seed(PyroTrace_ELBO(), _mean_field_model, _mean_field_guide, 21, X)
     stl = grads_on_seed(TraceSTL_ELBO(), _mean_field_model, _mean_field_guide, 21, X)
     # scale = exp(raw): the parts at the Normal's scale are the parameter's over d scale/d raw
     dsc = pyro.param("q_sc").detach()
     path = torch.cat([stl["q_loc"], stl["q_sc"] / dsc])
     score = torch.cat([trace["q_loc"] - stl["q_loc"], (trace["q_sc"] - stl["q_sc"]) / dsc])
-    torch.testing.assert_close(st["sp"], path, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(st["sc"], score, rtol=1e-5, atol=1e-5)
+    (key,) = elbo.control_variate.state
+    moments = elbo.control_variate.moments(key)
+    torch.testing.assert_close(moments["sp"], path, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(moments["sc"], score, rtol=1e-5, atol=1e-5)
     for k in ours:
         torch.testing.assert_close(ours[k], (1 - b) * stl[k] + b * trace[k])
 
@@ -1087,16 +1104,16 @@ def test_one_pass_falls_back_to_trace_elbo_where_a_later_trace_does_not_qualify(
     elbo = TraceAdaptiveSTL_ELBO(fixed_weight=0.0)
     assert _one_pass_after_first(elbo, _mean_field_model, guide, X) is True
     flag["gamma"] = True
-    before = {k: st["n"] for k, st in elbo._cv.state.items()}
+    before = {k: st["n"] for k, st in elbo.control_variate.state.items()}
     ours = grads_on_seed(elbo, _mean_field_model, guide, 31, X)
-    assert {k: st["n"] for k, st in elbo._cv.state.items()} == before
+    assert {k: st["n"] for k, st in elbo.control_variate.state.items()} == before
     assert_same(ours, grads_on_seed(PyroTrace_ELBO(), _mean_field_model, guide, 31, X))
-    assert elbo._one_pass is False
+    assert elbo.schedule.one_pass is False
     # a route that appears after the one-pass path was chosen
     pyro.clear_param_store()
     conditional_guide(X)
     elbo = TraceAdaptiveSTL_ELBO(max_plate_nesting=1)
-    elbo._one_pass = True
+    elbo.schedule.one_pass = True
     routed = block_grad(conditional_model, sites=["x"], params=["a"])
     ours = grads_on_seed(elbo, routed, conditional_guide, 32, X)
     ref = grads_on_seed(Trace_ELBO(max_plate_nesting=1), routed, conditional_guide, 32, X)
@@ -1114,7 +1131,7 @@ def test_a_used_one_pass_estimator_pickles_and_takes_the_same_step():
     elbo = TraceAdaptiveSTL_ELBO(mix_gain=None)
     for seed in range(8):
         grads_on_seed(elbo, _mean_field_model, _mean_field_guide, seed, X)
-    assert elbo._one_pass is True
+    assert elbo.schedule.one_pass is True
     clone = pickle.loads(pickle.dumps(elbo))
     assert_same(
         grads_on_seed(clone, _mean_field_model, _mean_field_guide, 40, X),
@@ -1137,3 +1154,170 @@ def test_one_pass_step_with_a_loop_over_particles(b):
     stl = grads_on_seed(TraceSTL_ELBO(num_particles=3), _mean_field_model, _mean_field_guide, 51, X)
     for k in ours:
         torch.testing.assert_close(ours[k], (1 - b) * stl[k] + b * trace[k])
+
+
+# ------------------------------------------------------------------ issue 27: state, shapes, the uncentred switch, arguments
+def _sgd_steps(elbo, model, guide, seeds, *args):
+    """Steps of plain SGD (lr 0.01) on the given seeds; their gradients."""
+    out = []
+    for seed in seeds:
+        g = grads_on_seed(elbo, model, guide, seed, *args)
+        with torch.no_grad():
+            for k, p in leaves():
+                p.sub_(0.01 * g[k])
+        out.append(g)
+    return out
+
+
+def _round_trips():
+    def via_torch_save(elbo):
+        buf = io.BytesIO()
+        torch.save(elbo, buf)
+        buf.seek(0)
+        return torch.load(buf, weights_only=False)
+
+    def via_state_dict(elbo):
+        clone = copy.deepcopy(elbo)
+        clone.reset()
+        clone.load_state_dict(elbo.state_dict())
+        return clone
+
+    return {
+        "pickle": lambda e: pickle.loads(pickle.dumps(e)),
+        "deepcopy": copy.deepcopy,
+        "torch.save": via_torch_save,
+        "state_dict": via_state_dict,
+    }
+
+
+_USED = {
+    "stl-mix": lambda: TraceAdaptiveSTL_ELBO(mix_gain=None, max_plate_nesting=1),
+    "stl-default": lambda: TraceAdaptiveSTL_ELBO(max_plate_nesting=1),
+    "dreg": lambda: TraceAdaptiveDReG_ELBO(num_particles=4, max_plate_nesting=1),
+}
+
+
+@pytest.mark.parametrize("how", sorted(_round_trips()))
+@pytest.mark.parametrize("kind", sorted(_USED))
+def test_a_used_estimator_survives_every_round_trip(kind, how):
+    """After 20 steps, a copy (pickle, deepcopy, torch.save, state_dict) takes the same next 12
+    steps as the original, from identical parameters and seeds (issue 27: the moments were views
+    of one buffer, which pickle stored separately)."""
+    conditional_guide(X)
+    elbo = _USED[kind]()
+    _sgd_steps(elbo, conditional_model, conditional_guide, range(20), X)
+    clone = _round_trips()[how](elbo)
+    start = {k: p.detach().clone() for k, p in leaves()}
+    ours = _sgd_steps(elbo, conditional_model, conditional_guide, range(100, 112), X)
+    with torch.no_grad():
+        for k, p in leaves():
+            p.copy_(start[k])
+    theirs = _sgd_steps(clone, conditional_model, conditional_guide, range(100, 112), X)
+    for step, (a, b) in enumerate(zip(ours, theirs)):
+        for k in a:
+            torch.testing.assert_close(a[k], b[k], rtol=0, atol=0, msg=f"step {step}, {k}")
+
+
+def _auto_normal_at_posterior(D):
+    """``AutoNormal`` on a conjugate model, its parameters set to the exact posterior."""
+    gm = GaussianModel(D=D, n=5, prior_cov=torch.eye(D), seed=1)
+    mean, cov = gm.posterior()
+    guide = ag.AutoNormal(gm.model)
+    guide()
+    store = pyro.get_param_store()
+    store["AutoNormal.locs.z"] = mean.clone()
+    store["AutoNormal.scales.z"] = cov.diagonal().sqrt()
+    return gm, guide
+
+
+@pytest.mark.parametrize("steps", [29, 30, 31, 32])  # measured and direct steps next
+@pytest.mark.parametrize("guide_kind", ["hand-written", "AutoNormal"])
+def test_a_parameter_whose_shape_changes_restarts_at_trace_elbo(guide_kind, steps):
+    """After 30 steps at STL, a new problem reusing the names with other shapes: the next steps
+    are Pyro's Trace_ELBO on the same seed, not STL (issue 27)."""
+    problem = (
+        _exact_posterior_problem if guide_kind == "hand-written" else _auto_normal_at_posterior
+    )
+    gm, guide = problem(D=2)
+    elbo = TraceAdaptiveSTL_ELBO()
+    gradient_draws(elbo, gm.model, guide, steps)
+    stl = grads_on_seed(TraceSTL_ELBO(), gm.model, guide, 1)
+    assert_same(grads_on_seed(elbo, gm.model, guide, 1), stl)  # at STL
+    pyro.clear_param_store()
+    gm, guide = problem(D=3)
+    guide()
+    for seed in range(4):
+        ours = grads_on_seed(elbo, gm.model, guide, seed)
+        assert_same(ours, grads_on_seed(PyroTrace_ELBO(), gm.model, guide, seed))
+
+
+def test_uncentred_switch_never_mixes():
+    """mix_gain=inf with center=False is a switch too: every step of 60, with the default
+    gate, is Pyro's Trace_ELBO's or STL's gradient on the same seed (issue 27)."""
+    gm, guide = _settling_problem()
+    elbo = TraceAdaptiveSTL_ELBO(mix_gain=math.inf, center=False)
+    for seed in range(60):
+        ours = grads_on_seed(elbo, gm.model, guide, seed)
+        refs = (
+            grads_on_seed(PyroTrace_ELBO(), gm.model, guide, seed),
+            grads_on_seed(TraceSTL_ELBO(), gm.model, guide, seed),
+        )
+        assert any(all(torch.allclose(ours[k], r[k], atol=1e-6) for k in r) for r in refs), seed
+        with torch.no_grad():
+            for k, p in leaves():
+                p.sub_(0.01 * ours[k])
+
+
+@pytest.mark.parametrize(
+    "name, value",
+    [
+        ("decay", "0.9"),
+        ("clip", "2"),
+        ("warmup", "3"),
+        ("warmup", 2.5),
+        ("confidence", "2"),
+        ("fixed_weight", "a"),
+        ("fixed_weight", torch.tensor([0.5, 0.2])),
+        ("center", "yes"),
+        ("distributed", "yes"),
+        ("schedule", {"measure_every": 2}),
+        ("mix_gain", "2"),
+    ],
+)
+@pytest.mark.parametrize("cls", [TraceAdaptiveSTL_ELBO, TraceAdaptiveDReG_ELBO])
+def test_bad_argument_types_name_the_argument(cls, name, value):
+    if name == "mix_gain" and cls is TraceAdaptiveDReG_ELBO:
+        return  # (DReG has no mix_gain)
+    with pytest.raises(TypeError, match=f"{cls.__name__}: {name} must be"):
+        cls(**{name: value})
+
+
+@pytest.mark.parametrize(
+    "field, value, exc",
+    [("measure_every", 0, ValueError), ("calm", -1.0, ValueError), ("refit", "4", TypeError)],
+)
+def test_bad_schedule_config(field, value, exc):
+    with pytest.raises(exc, match=f"ScheduleConfig: {field} must be"):
+        ScheduleConfig(**{field: value})
+    with pytest.raises(ValueError, match="measure_max must be >= measure_every"):
+        ScheduleConfig(measure_every=8, measure_max=4)
+
+
+def test_schedule_config_sets_when_settled_steps_measure():
+    """The schedule's constants come from the constructor: ``measure_every=2, measure_max=4``
+    measures after 1, then 3, then 3 direct steps."""
+    config = ScheduleConfig(measure_every=2, measure_max=4)
+    gm, guide = _settling_problem()
+    elbo = TraceAdaptiveSTL_ELBO(schedule=config)
+    elbo.schedule.gate.bound = lambda: math.inf  # the measurement schedule alone
+    gradient_draws(elbo, gm.model, guide, 40)
+    _mixed_fit_with_endpoint(elbo, ratio=1.01)
+    (st,) = elbo.control_variate.state.values()
+    elbo.schedule.last_end = None
+    measured = []
+    for seed in range(12):
+        before = st["n"]
+        grads_on_seed(elbo, gm.model, guide, seed)
+        if st["n"] != before:
+            measured.append(seed)
+    assert measured == _measured_steps(config, 12) == [1, 5, 9]

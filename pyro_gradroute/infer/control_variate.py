@@ -1,0 +1,287 @@
+r"""The control variate's weight :math:`b`, from moments of earlier steps (plain tensors, no Pyro).
+
+A step's gradient is :math:`g(b) = p + b \odot c` with :math:`p` the base estimator's
+gradient, :math:`c` a part with mean zero and :math:`b` one weight per element, chosen from
+earlier steps only (so :math:`\mathbb E[g(b)] = \mathbb E[p]`). Elementwise,
+:math:`\operatorname{Var} g(b) = \operatorname{Var} p + 2b \operatorname{Cov}(p, c) + b^2
+\operatorname{Var} c` is smallest at :math:`b^\star = -\operatorname{Cov}(p, c) /
+\operatorname{Var} c`. :class:`ControlVariate` keeps exponentially weighted moments of
+:math:`p` and :math:`c` per *key* (one vector: the concatenated parameters of a step) and
+fits :math:`b` from them (:meth:`ControlVariate.fit`).
+
+Everything is elementwise: the fit holds the per-element terms of the predicted second moments
+(``fit["elementwise"]``) beside their totals (``fit["moments"]``, what the schedule reads), so a
+decision per parameter (tensor) sums the terms over that parameter's slice
+(:meth:`ControlVariate.split`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .._validation import check_float, check_int
+
+__all__ = ["ControlVariate"]
+
+#: the moments, one row each of a state's buffer: sums of p, c, p^2, pc, c^2 and the residual
+#: moments x^2 y^2, x^3 y, x^4 (x, y: c and p centred at the means of the steps before)
+_KEYS = ("sp", "sc", "spp", "spc", "scc", "xxyy", "xxxy", "xxxx")
+_SEP = "\x1f"
+
+
+class ControlVariate:
+    r"""Exponentially weighted moments of :math:`(p, c)` per key, and the fitted weight :math:`b`.
+
+    Per key it keeps one buffer of the sums in ``_KEYS`` (factor ``decay``), the sums of the
+    weights :math:`w_1 = \sum w`, :math:`w_2 = \sum w^2` (effective number of samples
+    :math:`n = w_1^2 / w_2`) and the residual moments' weight. The fit (:meth:`fit`):
+
+    1. :math:`\hat b`: minus the weighted least-squares slope of :math:`p` on :math:`c` (with
+       an intercept where ``center``; else through 0, relying on :math:`\mathbb E c = 0`);
+       elements with no :math:`c` keep 1;
+    2. its standard error :math:`s` by the delta method,
+       :math:`s^2 = \mathbb E[x^2 (y + \hat b x)^2] / ((n - k) \operatorname{Var}(x)^2)`;
+    3. the endpoint :math:`e`: 1 unless :math:`\hat b + z s < 1/2` (0 is then closer to
+       :math:`b^\star` by :math:`z =` ``confidence`` standard errors);
+    4. :math:`b = e + \lambda(\hat b - e)`, :math:`\lambda = \max(0, 1 - (zs)^2/(\hat b - e)^2)`
+       (positive-part James-Stein: :math:`b` stays at :math:`e` while :math:`\hat b` is within
+       :math:`z` standard errors of it).
+
+    :math:`b = 1` during the first ``warmup`` updates of a key; ``fixed_weight`` replaces the
+    fit everywhere. The fit is recomputed on every update for the first ``fresh`` updates past
+    warm-up, then every ``refit`` updates (the weights still come from earlier steps only).
+
+    Example::
+
+        >>> import torch
+        >>> cv = ControlVariate(warmup=0)
+        >>> g = torch.Generator().manual_seed(0)
+        >>> for _ in range(50):  # p = 1 - 0.3 c + noise: b* = 0.3
+        ...     c = torch.randn(100, generator=g)
+        ...     _ = cv.update(["w"], [1 - 0.3 * c + 0.1 * torch.randn(100, generator=g)], [c])
+        >>> round(float(cv.fit("w")["b_hat"].mean()), 1)
+        0.3
+    """
+
+    def __init__(
+        self,
+        decay: float = 0.9,
+        clip: float | None = None,
+        warmup: int = 10,
+        center: bool = True,
+        confidence: float = 2.0,
+        fixed_weight: float | None = None,
+        *,
+        refit: int = 4,
+        fresh: int = 5,
+        no_score: float = 1e-6,
+        where: str = "ControlVariate",
+    ):
+        self.decay = check_float(decay, "decay", where, low=0.0, high=1.0, high_open=True)
+        self.clip = check_float(clip, "clip", where, low=0.0, low_open=True, allow_none=True)
+        self.warmup = check_int(warmup, "warmup", where, minimum=0)
+        if not isinstance(center, bool):
+            raise TypeError(f"{where}: center must be True or False; got {center!r}")
+        self.center = center
+        self.confidence = check_float(confidence, "confidence", where, low=0.0)
+        self.fixed_weight = check_float(fixed_weight, "fixed_weight", where, allow_none=True)
+        self.refit, self.fresh, self.no_score = refit, fresh, no_score
+        self.state: dict[str, dict] = {}
+        self.layouts: dict[str, list[tuple[str, tuple]]] = {}
+
+    # -- moments -----------------------------------------------------------------------
+    def key(self, names: list[str], likes: list[torch.Tensor]) -> str:
+        """The joint state of ``names`` (shaped as ``likes``); a changed layout starts it again."""
+        key = _SEP.join(names)
+        layout = [(n, tuple(t.shape)) for n, t in zip(names, likes)]
+        if self.layouts.get(key) != layout:
+            self.state.pop(key, None)
+            self.layouts[key] = layout
+        return key
+
+    def forget(self, key: str | None) -> None:
+        """Drop ``key``'s moments (its next steps are at ``b = 1``)."""
+        self.state.pop(key, None)
+        self.layouts.pop(key, None)
+
+    def update(
+        self, names: list[str], ps: list[torch.Tensor], cs: list[torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Add one step's parts (after its gradient is formed); returns them flattened."""
+        key = self.key(names, cs)
+        p = torch.cat([t.detach().reshape(-1) for t in ps])
+        c = torch.cat([t.detach().reshape(-1) for t in cs])
+        st = self.state.get(key)
+        if st is None:
+            st = self.state[key] = {"buf": c.new_zeros((len(_KEYS),) + c.shape)}
+            st.update(n=0, w1=0.0, w2=0.0, qw=0.0, age=0, fit=None)
+        if st["buf"].device != c.device or st["buf"].dtype != c.dtype:
+            st["buf"] = st["buf"].to(c)  # a state loaded elsewhere
+        buf, beta = st["buf"], self.decay
+        new = [p, c, p * p, p * c, c * c]
+        if st["w1"] > 0:  # the residual moments, centred at the means of the steps before
+            x, y = (c - buf[1] / st["w1"], p - buf[0] / st["w1"]) if self.center else (c, p)
+            xx, xy = x * x, x * y
+            new += [xy * xy, xx * xy, xx * xx]
+            st["qw"] = beta * st["qw"] + 1.0
+        buf[: len(new)].mul_(beta).add_(torch.stack(new))
+        st["w1"], st["w2"] = beta * st["w1"] + 1.0, beta * beta * st["w2"] + 1.0
+        st["n"], st["age"] = st["n"] + 1, st["age"] + 1
+        if st["n"] <= self.warmup + self.fresh or st["age"] >= self.refit:
+            st["fit"] = None  # recomputed when next asked for
+        return p, c
+
+    # -- the fit -----------------------------------------------------------------------
+    def ready(self, key: str | None) -> bool:
+        """Whether ``key`` is past warm-up (its weights come from the fit)."""
+        st = self.state.get(key)
+        return st is not None and st["n"] > self.warmup and st["qw"] > 0
+
+    def moments(self, key: str) -> dict[str, torch.Tensor]:
+        """``key``'s running sums by name (``sp``, ``sc``, ``spp``, ``spc``, ``scc``, ...)."""
+        return dict(zip(_KEYS, self.state[key]["buf"].unbind(0)))
+
+    def count(self, key: str | None) -> int:
+        """How many updates ``key`` has had."""
+        st = self.state.get(key)
+        return 0 if st is None else st["n"]
+
+    def settled(self, key: str | None) -> bool:
+        """Whether ``key`` has its first ``fresh`` fits past warm-up (the schedule may rely on it)."""
+        st = self.state.get(key)
+        return st is not None and st["n"] > self.warmup + self.fresh
+
+    def fit(self, key: str) -> dict | None:
+        """``{"b", "b_hat", "se", "endpoint", "n_eff"}`` (joint vectors), ``None`` in warm-up."""
+        if not self.ready(key):
+            return None
+        st = self.state[key]
+        if st["fit"] is None:
+            st["fit"], st["age"] = self._fit(st), 0
+        return st["fit"]
+
+    def _fit(self, st: dict) -> dict:
+        m = dict(zip(_KEYS, st["buf"].unbind(0)))
+        w1, n_eff = st["w1"], st["w1"] ** 2 / st["w2"]
+        cc, pc = m["scc"] / w1, m["spc"] / w1
+        if self.center:  # least squares with an intercept
+            mc = m["sc"] / w1
+            pc, cc = pc - (m["sp"] / w1) * mc, cc - mc.square()
+        tiny = torch.finfo(cc.dtype).tiny
+        has = cc > self.no_score * m["scc"] / w1 + tiny  # elements with a score part
+        one = torch.ones_like(cc)
+        cc_ = torch.where(has, cc, one)
+        b_hat = torch.where(has, -pc / cc_, one)
+        if self.clip is not None:
+            b_hat = b_hat.clamp(-self.clip, self.clip)
+        dof = n_eff - (2.0 if self.center else 1.0)
+        if st["qw"] > 0 and dof > 0:
+            resid = m["xxyy"] + 2 * b_hat * m["xxxy"] + b_hat.square() * m["xxxx"]
+            se = (resid.clamp_min(0) / st["qw"]).div(dof).sqrt() / cc_
+        else:
+            se = torch.full_like(cc, math.inf)
+        se = torch.where(has, se, torch.zeros_like(se))
+        zse = self.confidence * se
+        end = (b_hat + zse >= 0.5).to(b_hat.dtype)
+        d2 = (b_hat - end).square()
+        shrink = (1 - zse.square() / d2.clamp_min(tiny)).clamp_min(0)
+        shrink = torch.where(d2 > 0, shrink, torch.zeros_like(shrink)).nan_to_num(0.0)
+        b = end + shrink * (b_hat - end)
+        constant = next((v for v in (0.0, 1.0) if bool((b == v).all())), None)
+        fit = {"b": b, "b_hat": b_hat, "se": se, "endpoint": end, "n_eff": n_eff}
+        el = self._second_moments(m, w1, b)
+        mean2 = float(el["mean2"].sum())
+        totals = (
+            max(float(el["mix"].sum()), 0.0),
+            float(el["stl"].sum()),
+            float(el["trace"].sum()),
+        )
+        moments = tuple(mean2 + t for t in totals)
+        return {**fit, "constant": constant, "elementwise": el, "moments": moments}
+
+    @staticmethod
+    def _second_moments(m: dict, w1: float, b: torch.Tensor) -> dict[str, torch.Tensor]:
+        r"""The elementwise terms of the predicted second moment :math:`S(b) = \sum_e ar p_e^2 +
+        \operatorname{Var} p_e + 2 b_e \operatorname{Cov}(p_e, c_e) + b_e^2 \operatorname{Var} c_e`:
+        ``mean2`` (:math:`ar p_e^2`) and the variance at ``b`` (``mix``), 0 (``stl``) and 1
+        (``trace``). The fit's ``moments`` are their totals, :math:`(S(b), S(0), S(1))`; a
+        decision per parameter sums them over its slice (:meth:`split`)."""
+        mp, mc = m["sp"] / w1, m["sc"] / w1
+        var_p = (m["spp"] / w1 - mp.square()).clamp_min(0)
+        cov = m["spc"] / w1 - mp * mc
+        var_c = (m["scc"] / w1 - mc.square()).clamp_min(0)
+        mix = var_p + b * (2 * cov + b * var_c)
+        return {"mean2": mp.square(), "mix": mix, "stl": var_p, "trace": var_p + 2 * cov + var_c}
+
+    def weights(self, names: list[str], likes: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The ``b`` of each parameter this step applies (from earlier steps only): ones in
+        warm-up and for a new layout, ``fixed_weight`` everywhere if set."""
+        if self.fixed_weight is not None:
+            return [torch.full_like(t, self.fixed_weight) for t in likes]
+        key = self.key(names, likes)
+        fit = self.fit(key)
+        if fit is None:
+            return [torch.ones_like(t) for t in likes]
+        if fit.get("views") is None or fit["b"].device != likes[0].device:
+            fit["views"] = list(self.split(key, fit["b"].to(likes[0])).values())
+        return fit["views"]
+
+    def split(self, key: str, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``{name: slice}`` of a joint vector of ``key``, shaped as each parameter."""
+        names, shapes = zip(*self.layouts[key])
+        sizes = [math.prod(s) for s in shapes]
+        return {n: t.view(s) for n, t, s in zip(names, flat.split(sizes), shapes)}
+
+    # -- state ---------------------------------------------------------------------------
+    _SETTINGS = ("decay", "clip", "warmup", "center", "confidence", "fixed_weight")
+
+    def state_dict(self) -> dict:
+        """Settings, moments (one tensor each, copies) and the fits in use: a resumed run
+        applies the same ``b``."""
+        moments, fits = {}, {}
+        for key, st in self.state.items():
+            moments[key] = {k: v.clone() for k, v in zip(_KEYS, st["buf"].unbind(0))}
+            moments[key].update({k: v for k, v in st.items() if k not in ("buf", "fit")})
+            if st["fit"] is not None:
+                fits[key] = _copy(st["fit"])
+        layouts = {k: list(v) for k, v in self.layouts.items()}
+        settings = {k: getattr(self, k) for k in self._SETTINGS}
+        return {**settings, "layouts": layouts, "moments": moments, "fits": fits}
+
+    def load_state_dict(self, state: dict) -> None:
+        missing = {k for k in (*self._SETTINGS, "layouts", "moments") if k not in state}
+        for st in state.get("moments", {}).values():
+            missing |= {k for k in _KEYS if k not in st}
+        if missing:
+            raise ValueError(
+                f"this control-variate state lacks {sorted(missing)}: it was saved by an older "
+                "version whose moments this policy cannot use; start from a fresh estimator"
+            )
+        for k in self._SETTINGS:
+            setattr(self, k, state[k])
+        self.state = {}
+        for key, st in state["moments"].items():
+            new = {k: v for k, v in st.items() if k not in _KEYS}
+            new["buf"] = torch.stack([st[k] for k in _KEYS])  # one buffer, owned here
+            new["fit"] = _copy(state["fits"][key]) if key in state.get("fits", {}) else None
+            self.state[key] = new
+        self.layouts = {k: [(n, tuple(s)) for n, s in v] for k, v in state["layouts"].items()}
+
+    # pickle and deepcopy go through the same copies (no views shared between entries)
+    def __getstate__(self) -> dict:
+        return {"state": self.state_dict(), "tuning": (self.refit, self.fresh, self.no_score)}
+
+    def __setstate__(self, d: dict) -> None:
+        self.refit, self.fresh, self.no_score = d["tuning"]
+        self.state, self.layouts = {}, {}
+        self.load_state_dict(d["state"])
+
+
+def _copy(d: dict) -> dict:
+    """A copy of a state (its fit's cached views left out)."""
+    copy = {k: v for k, v in d.items() if k != "views"}
+    for k, v in copy.items():
+        copy[k] = v.clone() if torch.is_tensor(v) else _copy(v) if isinstance(v, dict) else v
+    return copy
