@@ -9,11 +9,19 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Mapping
 
 import torch
 
 
+class ArgumentTypeError(TypeError, ValueError):
+    """An argument of the wrong type: a ``TypeError``, and a ``ValueError`` too, so that code
+    catching the ``ValueError`` these checks' predecessors raised still catches it."""
+
+
 def _bad(where: str, name: str, value, accepted: str, exc=ValueError):
+    if exc is TypeError:
+        exc = ArgumentTypeError
     return exc(f"{where}: {name} must be {accepted}; got {value!r}")
 
 
@@ -81,4 +89,26 @@ def check_str(value, name: str, where: str, *, allow_none: bool = False):
         return None
     if not isinstance(value, str):
         raise _bad(where, name, value, "a string", TypeError)
+    return value
+
+
+def check_mapping(value, name: str, where: str, *, allow_none: bool = False):
+    """A mapping (a ``dict``: e.g. ``fixed={"scale": 1.0}`` or ``{"label": elbo}``)."""
+    if value is None and allow_none:
+        return None
+    if not isinstance(value, Mapping):
+        kind = "a dict" + (" or None" if allow_none else "")
+        raise _bad(where, name, value, kind, TypeError)
+    return value
+
+
+def check_elbo(value, name: str, where: str):
+    """An ELBO *instance* (anything with a callable ``loss_and_grads``), not its class."""
+    if isinstance(value, type):
+        raise _bad(
+            where, name, value,
+            f"an ELBO instance, not the class: pass {value.__name__}()", TypeError,
+        )  # fmt: skip
+    if not callable(getattr(value, "loss_and_grads", None)):
+        raise _bad(where, name, value, "an ELBO instance (with loss_and_grads)", TypeError)
     return value

@@ -57,6 +57,7 @@ import pyro.poutine as poutine
 import torch
 from pyro.infer import SVI
 
+from .._validation import check_int
 from ..diagnostics.gradients import GradientStats, gradient_stats
 from ..diagnostics.heldout import heldout_log_likelihood
 from ..diagnostics.inference_data import to_inference_data
@@ -431,8 +432,7 @@ def iter_compare(
     warmup_steps: int = 0,
 ) -> Iterator[EstimatorResult]:
     """:func:`compare_estimators`, yielding each estimator's result as soon as it is done."""
-    if not (isinstance(warmup_steps, int) and warmup_steps >= 0):
-        raise ValueError(f"warmup_steps must be an integer >= 0, got {warmup_steps!r}")
+    check_int(warmup_steps, "warmup_steps", "iter_compare", minimum=0)
     build = _builder(problem)
     for name in estimators:
         make_elbo(name)  # fail before any fitting
