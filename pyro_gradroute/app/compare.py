@@ -64,7 +64,7 @@ import pyro.poutine as poutine
 import torch
 from pyro.infer import SVI
 
-from .._validation import check_int
+from .._validation import check_float, check_int
 from ..diagnostics.gradients import GradientStats, gradient_stats
 from ..diagnostics.heldout import heldout_log_likelihood
 from ..diagnostics.inference_data import to_inference_data
@@ -197,11 +197,19 @@ def _params_finite() -> bool:
     )
 
 
+#: words of the ``ValueError`` torch's and Pyro's value checks raise on an invalid value
+_INVALID_VALUE = ("found invalid values", "nan", "infinite", "non-finite", "not finite")
+
+
 def _step_diverged(exc: BaseException) -> bool:
     """Whether a failed step (after a first step that did not fail) is the divergence of
-    :data:`~pyro_gradroute.app.catalog.DIVERGED`: an invalid value (torch's or Pyro's value checks raise ``ValueError``),
-    a failed factorisation, or parameters that are no longer finite."""
-    return isinstance(exc, (ValueError, torch.linalg.LinAlgError)) or not _params_finite()
+    :data:`~pyro_gradroute.app.catalog.DIVERGED`: parameters that are no longer finite, an
+    invalid value (torch's check of a distribution's parameters, a NaN log-density), or a
+    failed factorisation. Any other error is the model's, and is raised."""
+    if not _params_finite() or isinstance(exc, torch.linalg.LinAlgError):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, ValueError) and any(w in text for w in _INVALID_VALUE)
 
 
 def check_data(p: Problem) -> None:
@@ -555,8 +563,15 @@ def iter_compare(
     """:func:`compare_estimators`, yielding each estimator's result as soon as it is fitted
     and measured; ``ms_per_step`` is filled in (on the results already yielded) once every
     estimator is, by :func:`time_interleaved` over ``timing_rounds`` rounds."""
-    check_int(warmup_steps, "warmup_steps", "iter_compare", minimum=0)
-    check_int(timing_rounds, "timing_rounds", "iter_compare", minimum=1)
+    where = "iter_compare"
+    check_int(steps, "steps", where, minimum=1, allow_none=True)
+    check_float(lr, "lr", where, low=0.0, low_open=True, allow_none=True)
+    check_int(num_particles, "num_particles", where, minimum=1, allow_none=True)
+    check_int(seed, "seed", where, minimum=0)
+    check_int(snr_draws, "snr_draws", where, minimum=2)
+    check_int(num_samples, "num_samples", where, minimum=2)
+    check_int(warmup_steps, "warmup_steps", where, minimum=0)
+    check_int(timing_rounds, "timing_rounds", where, minimum=1)
     build = _builder(problem)
     for name in estimators:
         make_elbo(name)  # fail before any fitting

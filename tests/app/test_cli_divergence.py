@@ -186,3 +186,31 @@ def test_compare_fills_ms_per_step_for_every_fitted_estimator():
                                           snr_draws=3, num_samples=30, progress=False,
                                           timing_rounds=3)  # fmt: skip
     assert all(math.isfinite(r.ms_per_step) and r.ms_per_step > 0 for r in rows)
+
+
+SHAPE_BUG = """
+import pyro, pyro.distributions as dist, torch
+from pyro.infer.autoguide import AutoNormal
+
+calls = []
+
+def model(x):
+    calls.append(1)
+    z = pyro.sample("z", dist.Normal(0.0, 1.0))
+    n = len(x) if len(calls) < 12 else len(x) + 1  # a bug that shows after some steps
+    with pyro.plate("data", n):
+        pyro.sample("obs", dist.Normal(z, 1.0), obs=x)
+
+def problem():
+    return dict(model=model, guide=AutoNormal(model), args=(torch.ones(4),), steps=30)
+"""
+
+
+def test_a_later_error_of_the_model_is_not_called_a_divergence(capsys, tmp_path, monkeypatch):
+    (tmp_path / "shape_bug_gr.py").write_text(textwrap.dedent(SHAPE_BUG))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match="Value is not broadcastable"):  # raised, as it is
+        main(["--model", "shape_bug_gr:problem", "--estimators", "trace",
+              "--out", str(tmp_path / "o"), *FAST])  # fmt: skip
+    cap = capsys.readouterr()
+    assert "diverged" not in cap.out + cap.err
