@@ -293,6 +293,12 @@ def gradient_stats(
         mean = {n: torch.zeros_like(p, dtype=torch.float64) for n, p in params.items()}
         m2 = {n: torch.zeros_like(p, dtype=torch.float64) for n, p in params.items()}
         kept: dict[str, list] = {n: [] for n in params}
+
+        def clean_up():
+            _restore(store, elbo, snapshot)
+            for n, p in store.named_parameters():
+                p.grad = saved.get(n)
+
         try:
             for d in range(num_draws):
                 if d:  # every draw is the estimator's next step from the same state
@@ -308,10 +314,13 @@ def gradient_stats(
                     m2[n] += delta * (g - mean[n])
                     if keep_draws:
                         kept[n].append(g)
-        finally:
-            _restore(store, elbo, snapshot)
-            for n, p in store.named_parameters():
-                p.grad = saved.get(n)
+        except BaseException:
+            try:
+                clean_up()
+            except Exception:  # noqa: BLE001 - the draw's error is the one to report
+                pass
+            raise
+        clean_up()
     stats = {n: ParamGradStats(mean[n], m2[n] / (count - 1)) for n in params}
     return GradientStats(
         stats,

@@ -92,3 +92,21 @@ def test_heldout_method_is_checked_before_any_work():
     assert "heldout_log_likelihood: method must be one of 'predictive', 'marginal'" in str(
         info.value
     )
+
+
+def test_an_error_in_a_draw_is_not_masked_by_the_clean_up(setup):
+    """The draw's own error is raised, not one from restoring the state afterwards."""
+    model, guide, x = setup
+
+    class Broken:
+        def state_dict(self):
+            return {}
+
+        def load_state_dict(self, state):
+            raise AttributeError("restoring failed too")
+
+        def loss_and_grads(self, *args, **kwargs):
+            raise RuntimeError("the draw's own error")
+
+    with pytest.raises(RuntimeError, match="the draw's own error"):
+        gradient_stats(model, guide, Broken(), x, num_draws=3)
