@@ -3,6 +3,23 @@
 Each check raises early, naming the argument (``where`` is the caller, e.g.
 ``"Trace_ELBO"``), the value received and what is accepted, so a bad argument never
 reaches the computation as a silently wrong number or a raw error from deep inside.
+A wrong type raises :class:`ArgumentTypeError`, a ``TypeError`` that is also a
+``ValueError``; a value out of range raises ``ValueError``.
+
+Example::
+
+    >>> check_int(3, "num_particles", "Trace_ELBO", minimum=1)
+    3
+    >>> check_int(0, "num_particles", "Trace_ELBO", minimum=1)
+    Traceback (most recent call last):
+    ...
+    ValueError: Trace_ELBO: num_particles must be an integer >= 1; got 0
+    >>> check_float(float("inf"), "init_scale", "AutoMeanField", low=0.0, low_open=True)
+    Traceback (most recent call last):
+    ...
+    ValueError: AutoMeanField: init_scale must be a finite number; got inf
+    >>> isinstance(ArgumentTypeError("x"), TypeError) and isinstance(ArgumentTypeError("x"), ValueError)
+    True
 """
 
 from __future__ import annotations
