@@ -64,6 +64,7 @@ import pyro.poutine as poutine
 import torch
 from pyro.infer import SVI
 
+from .._compat import is_deterministic_site
 from .._validation import check_float, check_int
 from ..diagnostics.gradients import GradientStats, gradient_stats
 from ..diagnostics.heldout import heldout_log_likelihood
@@ -227,7 +228,7 @@ def check_data(p: Problem) -> None:
             value = site.get("value")
             if not (site["type"] == "sample" and site["is_observed"] and torch.is_tensor(value)):
                 continue
-            if not value.is_floating_point() or site["infer"].get("_deterministic"):
+            if not value.is_floating_point() or is_deterministic_site(site):
                 continue
             bad = ~torch.isfinite(value)
             event_dim = site["fn"].event_dim
