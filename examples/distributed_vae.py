@@ -182,16 +182,23 @@ def main(argv=None) -> None:
             f"{1e3 * step_s:7.2f} ms/step on rank 0, {1e3 * diff[1].item():.2f} slowest rank "
             f"(batch {args.batch_size // world} per rank; loss/image {loss:.2f}){note}"
         )
-        print(
-            f"speed-up {b_step / diff[1].item():.2f}x; communication share "
-            f"{100 * comm_s / step_s:.1f}% on rank 0 ({1e3 * comm_s:.2f} ms all_reduce per step), "
-            f"max over ranks {100 * diff[2].item() / diff[1].item():.1f}%{note}"
-            + (
-                "  (one process: nothing to compare; run under torchrun --nproc_per_node=2)"
-                if world == 1
-                else ""
+        if args.smoke:  # 3 steps of 32 images: start-up and noise, not a speed-up
+            print(
+                f"speed-up and communication share not measured: a smoke run's {args.steps} "
+                f"steps of batch {args.batch_size} are too small to time (run without --smoke)"
+                f"{note}"
             )
-        )
+        else:
+            print(
+                f"speed-up {b_step / diff[1].item():.2f}x; communication share "
+                f"{100 * comm_s / step_s:.1f}% on rank 0 ({1e3 * comm_s:.2f} ms all_reduce per "
+                f"step), max over ranks {100 * diff[2].item() / diff[1].item():.1f}%"
+                + (
+                    "  (one process: nothing to compare; run under torchrun --nproc_per_node=2)"
+                    if world == 1
+                    else ""
+                )
+            )
         print(
             f"all_reduce alone (after a barrier): {1e3 * diff[3].item():.2f} ms per step "
             f"= {100 * diff[3].item() / diff[1].item():.1f}% of the step"

@@ -3,17 +3,42 @@
 Each check raises early, naming the argument (``where`` is the caller, e.g.
 ``"Trace_ELBO"``), the value received and what is accepted, so a bad argument never
 reaches the computation as a silently wrong number or a raw error from deep inside.
+A wrong type raises :class:`ArgumentTypeError`, a ``TypeError`` that is also a
+``ValueError``; a value out of range raises ``ValueError``.
+
+Example::
+
+    >>> check_int(3, "num_particles", "Trace_ELBO", minimum=1)
+    3
+    >>> check_int(0, "num_particles", "Trace_ELBO", minimum=1)
+    Traceback (most recent call last):
+    ...
+    ValueError: Trace_ELBO: num_particles must be an integer >= 1; got 0
+    >>> check_float(float("inf"), "init_scale", "AutoMeanField", low=0.0, low_open=True)
+    Traceback (most recent call last):
+    ...
+    ValueError: AutoMeanField: init_scale must be a finite number; got inf
+    >>> isinstance(ArgumentTypeError("x"), TypeError) and isinstance(ArgumentTypeError("x"), ValueError)
+    True
 """
 
 from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Mapping
 
 import torch
 
 
+class ArgumentTypeError(TypeError, ValueError):
+    """An argument of the wrong type: a ``TypeError``, and a ``ValueError`` too, so that code
+    catching the ``ValueError`` these checks' predecessors raised still catches it."""
+
+
 def _bad(where: str, name: str, value, accepted: str, exc=ValueError):
+    if exc is TypeError:
+        exc = ArgumentTypeError
     return exc(f"{where}: {name} must be {accepted}; got {value!r}")
 
 
@@ -81,4 +106,26 @@ def check_str(value, name: str, where: str, *, allow_none: bool = False):
         return None
     if not isinstance(value, str):
         raise _bad(where, name, value, "a string", TypeError)
+    return value
+
+
+def check_mapping(value, name: str, where: str, *, allow_none: bool = False):
+    """A mapping (a ``dict``: e.g. ``fixed={"scale": 1.0}`` or ``{"label": elbo}``)."""
+    if value is None and allow_none:
+        return None
+    if not isinstance(value, Mapping):
+        kind = "a dict" + (" or None" if allow_none else "")
+        raise _bad(where, name, value, kind, TypeError)
+    return value
+
+
+def check_elbo(value, name: str, where: str):
+    """An ELBO *instance* (anything with a callable ``loss_and_grads``), not its class."""
+    if isinstance(value, type):
+        raise _bad(
+            where, name, value,
+            f"an ELBO instance, not the class: pass {value.__name__}()", TypeError,
+        )  # fmt: skip
+    if not callable(getattr(value, "loss_and_grads", None)):
+        raise _bad(where, name, value, "an ELBO instance (with loss_and_grads)", TypeError)
     return value

@@ -45,14 +45,26 @@ from ._compat import tensor_backward_hooks, will_engine_execute
 __all__ = ["backward", "grad", "gate", "reachable_leaves", "taps"]
 
 BlockEntry = nn.Module | torch.Tensor | Mapping[str, torch.Tensor]
-Block = Mapping[Hashable, Iterable[BlockEntry] | Mapping[str, torch.Tensor]]
+Block = Mapping[Hashable, BlockEntry | Iterable[BlockEntry] | None]
 
 
 # ----------------------------------------------------------------------------- resolution
-def _resolve(entries, key) -> dict[torch.Tensor, str]:
-    """Blocked leaf tensors (hashed by identity) -> a readable name."""
+def _resolve(entries, what: str) -> dict[torch.Tensor, str]:
+    """Blocked leaf tensors (hashed by identity) -> a readable name.
+
+    ``entries`` is one ``nn.Module`` or leaf tensor, a mapping ``name -> tensor``, an
+    iterable of modules / leaf tensors / such mappings, or ``None`` (nothing blocked);
+    ``what`` names the argument in errors (e.g. ``"block['l2']"``).
+    """
+    if entries is None:
+        return {}
     if isinstance(entries, (nn.Module, torch.Tensor)):
         entries = [entries]
+    elif isinstance(entries, (str, bytes)) or not isinstance(entries, Iterable):
+        raise TypeError(
+            f"{what} must be an nn.Module, a leaf tensor, a mapping name -> tensor or an "
+            f"iterable of those; got {type(entries).__name__} {entries!r}"
+        )
     out: dict[torch.Tensor, str] = {}
     items = entries.items() if isinstance(entries, Mapping) else ((None, e) for e in entries)
     for name, entry in items:
@@ -61,19 +73,36 @@ def _resolve(entries, key) -> dict[torch.Tensor, str]:
             for pname, p in entry.named_parameters():
                 out.setdefault(p, f"{prefix}.{pname}")
         elif isinstance(entry, Mapping):
-            out.update({t: n for n, t in entry.items() if t not in out})
+            for n, t in _resolve(entry, what).items():
+                out.setdefault(t, n)
         elif torch.is_tensor(entry):
             if not entry.is_leaf:
                 raise TypeError(
-                    f"block[{key!r}] holds a non-leaf tensor (shape {tuple(entry.shape)}); "
+                    f"{what} holds a non-leaf tensor (shape {tuple(entry.shape)}); "
                     "block parameters (leaf tensors) or nn.Modules, not intermediate values."
                 )
             out.setdefault(entry, name or f"tensor{tuple(entry.shape)}")
         else:
             raise TypeError(
-                f"block[{key!r}] entries must be nn.Module, leaf tensors or a mapping "
+                f"{what} entries must be nn.Module, leaf tensors or a mapping "
                 f"name -> tensor; got {type(entry).__name__}"
             )
+    return out
+
+
+def _resolve_block(terms: Mapping, block: Block | None) -> dict[Hashable, dict]:
+    """``block`` resolved once: term name -> {blocked leaf: name}, only for the ``terms``
+    that block something (an empty entry, ``None`` or an empty iterable blocks nothing).
+
+    Values are tested with ``is None`` / emptiness of the resolved set, never for truth:
+    a bare tensor (``block={"l2": b}``) is one blocked parameter whatever its value.
+    """
+    out = {}
+    for k in terms:
+        if block is not None and k in block:
+            resolved = _resolve(block[k], f"block[{k!r}]")
+            if resolved:
+                out[k] = resolved
     return out
 
 
@@ -246,12 +275,13 @@ def _warn_never_trained(groups: list[_Group], names: dict[torch.Tensor, str]) ->
         )
 
 
-def _groups(terms, block) -> tuple[list[_Group], _Graph, dict]:
-    """Group differentiable terms by effective blocked set (walks the graph once)."""
+def _groups(terms, resolved_block: dict) -> tuple[list[_Group], _Graph, dict]:
+    """Group differentiable terms by effective blocked set (walks the graph once);
+    ``resolved_block`` as :func:`_resolve_block` returns it."""
     names: dict[torch.Tensor, str] = {}
     by_block: dict[frozenset, list] = {}
     for k, t in terms.items():
-        resolved = _resolve(block[k], k) if block.get(k) else {}
+        resolved = resolved_block.get(k, {})
         names.update(resolved)
         by_block.setdefault(frozenset(resolved), []).append(t)
     for k, t in terms.items():
@@ -304,9 +334,10 @@ def backward(
         >>> routing.backward({"loss1": y.pow(2).mean(), "loss2": y.mean()}, block={"loss2": [B]})
 
     :param terms: named scalar loss terms (non-differentiable ones are skipped).
-    :param block: term name -> what that term must not send gradient to: an iterable of
-        ``nn.Module``\ s and/or leaf tensors, or a mapping ``name -> tensor`` (names
-        are used in messages). Blocking a parameter a term does not reach is a no-op.
+    :param block: term name -> what that term must not send gradient to: one
+        ``nn.Module`` or leaf tensor, an iterable of ``nn.Module``\ s and/or leaf tensors,
+        or a mapping ``name -> tensor`` (names are used in messages); ``None`` or an empty
+        iterable blocks nothing. Blocking a parameter a term does not reach is a no-op.
     :param retain_graph: as in :meth:`torch.Tensor.backward` (for the last pass).
     :param strict: raise ``KeyError`` for a ``block`` key that names no term (a typo would
         silently drop the route). The ELBOs pass ``False``: their blocks name every marked
@@ -318,10 +349,11 @@ def backward(
     terms = _differentiable(terms)
     if not terms:
         return
-    if not block or not any(block.get(k) for k in terms):
+    resolved = _resolve_block(terms, block)
+    if not resolved:
         sum(terms.values()).backward(retain_graph=retain_graph)
         return
-    groups, graph, names = _groups(terms, block)
+    groups, graph, names = _groups(terms, resolved)
     if not any(g.blocked for g in groups):
         _total(groups).backward(retain_graph=retain_graph)
         return
@@ -383,10 +415,10 @@ def grad(
     inputs = _as_inputs(inputs)
     _check_keys(terms, block, strict)
     terms = _differentiable(terms)
-    resolved = {k: set(_resolve(block[k], k)) if block and block.get(k) else set() for k in terms}
+    resolved = _resolve_block(terms, block)
     by_allowed: dict[tuple, list[int]] = {}
     for j, x in enumerate(inputs):
-        allowed = tuple(k for k in terms if x not in resolved[k])
+        allowed = tuple(k for k in terms if x not in resolved.get(k, ()))
         by_allowed.setdefault(allowed, []).append(j)
     out: list = [None] * len(inputs)
     passes = [(a, js) for a, js in by_allowed.items() if a]
@@ -513,9 +545,7 @@ class _Gate(torch.autograd.Function):
         return (None, None, *out)
 
 
-def gate(
-    term: torch.Tensor, blocked: Iterable[BlockEntry] | Mapping[str, torch.Tensor]
-) -> torch.Tensor:
+def gate(term: torch.Tensor, blocked: BlockEntry | Iterable[BlockEntry] | None) -> torch.Tensor:
     r"""A tensor equal to ``term`` whose gradient reaches every leaf except ``blocked``.
 
     .. math::
@@ -546,6 +576,9 @@ def gate(
       it with ``None`` (as for any path that carries no gradient).
     * First order only: its backward raises ``NotImplementedError`` under
       ``create_graph=True``.
+    * ``blocked`` is what a ``block`` value of :func:`backward` may be (one module or leaf
+      tensor, an iterable or a mapping of them); anything else raises ``TypeError``
+      naming ``blocked``.
 
     Example::
 
@@ -558,7 +591,7 @@ def gate(
     """
     if not (torch.is_tensor(term) and term.requires_grad):
         return term
-    blocked_set = set(_resolve(blocked, "gate"))
+    blocked_set = set(_resolve(blocked, "routing.gate: blocked"))
     if term.grad_fn is None:  # the term is a leaf
         return term.detach() if term in blocked_set else term
     graph = _Graph([term])

@@ -60,4 +60,21 @@ ESTIMATORS: dict[str, tuple[str, str, dict, str]] = {
 }
 
 DEFAULT_MODEL = "logistic_regression"
-DEFAULT_ESTIMATORS = ("trace", "stl", "iwae", "dreg")
+#: the comparison's default: the README's recommendation (``adaptive``,
+#: ``TraceAdaptiveSTL_ELBO()``) against the estimators it chooses between, and the IWAE pair
+DEFAULT_ESTIMATORS = ("trace", "stl", "adaptive", "iwae", "dreg")
+
+#: estimators that take ``--alpha`` (the order of the Renyi bound)
+RENYI_ESTIMATORS = tuple(name for name, spec in ESTIMATORS.items() if "alpha" in spec[2]
+                         and spec[2]["alpha"] is None)  # fmt: skip
+
+#: what "diverged at step N" means in the comparison (also in ``compare --help``)
+DIVERGED = (
+    "A fit diverged at step N when step N's loss is not finite (NaN or inf); or a parameter "
+    "(unconstrained, or its constrained value) is not finite after step N; or step N > 1 "
+    "fails on an invalid value (a distribution's parameter outside its support, such as a "
+    "scale that underflowed to 0, or a NaN log-density), as a first step did not; or the "
+    "median loss of the last 10 steps exceeds the first step's loss L1 by more than "
+    "10 x max(|L1|, 1). A diverged estimator is stopped, not measured and never called "
+    "best; the others go on."
+)

@@ -23,21 +23,32 @@ Example::
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 import sysconfig
 import tempfile
+import textwrap
 import time
 import traceback
 from collections.abc import Sequence
 
 from .. import __version__
-from .catalog import DEFAULT_ESTIMATORS, DEFAULT_MODEL, ESTIMATORS, MODEL_DESCRIPTIONS
+from .catalog import (
+    DEFAULT_ESTIMATORS,
+    DEFAULT_MODEL,
+    DIVERGED,
+    ESTIMATORS,
+    MODEL_DESCRIPTIONS,
+    RENYI_ESTIMATORS,
+)
 
 EXIT_USER_CODE = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 COMMANDS = ("compare", "list")
+DEFAULT_OUT = "gradroute-compare"
+DEFAULT_ALPHA = 0.5
 
 
 def _at_least(low: int):
@@ -84,16 +95,25 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"pyro-gradroute {__version__}")
     sub = parser.add_subparsers(dest="command")
-    c = sub.add_parser("compare", help="fit a model with several estimators and compare them")
+    c = sub.add_parser(
+        "compare",
+        help="fit a model with several estimators and compare them",
+        description="Fit a model with each estimator from the same initialisation and seed, "
+        "print a table and write PNG plots to --out.",
+        epilog=_compare_epilog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     c.add_argument(
         "--model",
         default=DEFAULT_MODEL,
-        help=f"bundled model name or module:function (default {DEFAULT_MODEL})",
+        help=f"bundled model name (listed below) or module:function (default {DEFAULT_MODEL})",
     )
     c.add_argument(
         "--estimators",
         default=None,
-        help="comma-separated estimator names (default: " + ",".join(DEFAULT_ESTIMATORS) + ")",
+        help="comma-separated estimator names, listed below (default: "
+        + ",".join(DEFAULT_ESTIMATORS)
+        + ")",
     )
     c.add_argument(
         "--steps", type=_at_least(1), default=None, help="SVI steps (default: the model's)"
@@ -110,9 +130,9 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument(
         "--alpha",
         type=_renyi_order,
-        default=0.5,
-        help="order of the Renyi bound for the renyi and renyi-dreg estimators (default 0.5; "
-        "not 1, which is the ELBO)",
+        default=None,
+        help=f"order of the Renyi bound, for the {' and '.join(RENYI_ESTIMATORS)} estimators "
+        f"only (default {DEFAULT_ALPHA}; not 1, which is the ELBO)",
     )
     c.add_argument(
         "--seed", type=_at_least(0), default=0, help="random seed, 0 or more (default 0)"
@@ -136,7 +156,12 @@ def _parser() -> argparse.ArgumentParser:
         help="start every estimator after the same N steps of Pyro's Trace_ELBO from the "
         "seed, to compare them near a fit (default 0: from the initialisation)",
     )
-    c.add_argument("--out", default="gradroute-compare", help="folder for the PNG plots")
+    c.add_argument(
+        "--out",
+        default=DEFAULT_OUT,
+        help=f"folder for the PNG plots, created if missing (default {DEFAULT_OUT}, in the "
+        "current folder)",
+    )
     c.add_argument(
         "--threads",
         type=_at_least(1),
@@ -157,6 +182,20 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("list", help="list bundled models and estimators")
     parser.compare_parser = c  # errors found after parsing name the compare command's usage
     return parser  # fmt: skip
+
+
+def _compare_epilog() -> str:
+    width = max(map(len, [*MODEL_DESCRIPTIONS, *ESTIMATORS])) + 2
+    lines = ["bundled models (--model):"]
+    lines += [f"  {name:<{width}}{desc}" for name, desc in MODEL_DESCRIPTIONS.items()]
+    lines += [
+        "  module:function".ljust(width + 2) + "your own: returns dict(model=, guide=, args=)"
+    ]
+    lines += ["", "estimators (--estimators):"]
+    lines += [f"  {name:<{width}}{module}.{cls}: {desc}"
+              for name, (module, cls, _, desc) in ESTIMATORS.items()]  # fmt: skip
+    lines += ["", *textwrap.wrap("divergence: " + DIVERGED, 88)]
+    return "\n".join(lines)
 
 
 def _list() -> int:
@@ -190,8 +229,18 @@ def _estimator_names(parser, text: str | None) -> list[str]:
     return names
 
 
+def _os_reason(e: OSError) -> str:
+    """Why the file system refused, in words (ENOENT in a folder that exists: it takes no
+    new entries, as /proc and /sys do)."""
+    if e.errno == errno.ENOENT:
+        return "the file system there takes no new files or folders (such as /proc or /sys)"
+    return e.strerror or str(e)
+
+
 def _check_writable(parser, out: str) -> None:
-    """Refuse an ``--out`` folder that cannot be created or written, without creating it."""
+    """Refuse an ``--out`` folder that cannot be created or written to, leaving nothing
+    behind: the existing folder must take a new file, or its nearest existing parent a new
+    folder (each made and removed again)."""
     path = os.path.abspath(out)
     if os.path.exists(path) and not os.path.isdir(path):
         parser.error(f"argument --out: {out!r} exists and is not a folder")
@@ -201,10 +250,15 @@ def _check_writable(parser, out: str) -> None:
     if not os.path.isdir(probe):
         parser.error(f"argument --out: cannot create {out!r}: {probe!r} is not a folder")
     try:
-        with tempfile.TemporaryFile(dir=probe):
-            pass
+        if probe == path:
+            with tempfile.NamedTemporaryFile(dir=probe):
+                pass
+        else:
+            with tempfile.TemporaryDirectory(dir=probe):
+                pass
     except OSError as e:
-        parser.error(f"argument --out: cannot write to {probe!r}: {e.strerror or e}")
+        what = f"write to {probe!r}" if probe == path else f"create a folder in {probe!r}"
+        parser.error(f"argument --out: cannot {what}: {_os_reason(e)}")
 
 
 def _library_dirs() -> list[str]:
@@ -258,6 +312,12 @@ def _report_user_error(exc: BaseException, frames, full: bool) -> int:
 
 def _compare(parser, args, start: float) -> int:
     names = _estimator_names(parser, args.estimators)
+    if args.alpha is not None and not set(names) & set(RENYI_ESTIMATORS):
+        parser.error(
+            f"argument --alpha: only the {' and '.join(RENYI_ESTIMATORS)} estimators use it, "
+            f"and --estimators has neither ({','.join(names)}); add one, or drop --alpha"
+        )
+    alpha = DEFAULT_ALPHA if args.alpha is None else args.alpha
     _check_writable(parser, args.out)
     print(f"loading {args.model} ...", file=sys.stderr, flush=True)
     import torch
@@ -273,7 +333,7 @@ def _compare(parser, args, start: float) -> int:
         for r in iter_compare(
             lambda: load_problem(args.model), names, steps=args.steps, lr=args.lr, num_particles=args.particles,
             seed=args.seed, snr_draws=args.snr_draws, num_samples=args.samples,
-            progress=not args.no_progress, quiet=False, alpha=args.alpha,
+            progress=not args.no_progress, quiet=False, alpha=alpha,
             warmup_steps=args.warmup_steps,
         ):  # fmt: skip
             results.append(r)
@@ -311,6 +371,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     start = time.perf_counter()
     parser = _parser()
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] not in COMMANDS and not argv[0].startswith("-"):
+        parser.print_usage(sys.stderr)
+        print(f"{parser.prog}: error: unknown command {argv[0]!r}; the commands are: "
+              f"{', '.join(COMMANDS)} (compare is the default: "
+              f"'{parser.prog} --model NAME')", file=sys.stderr)  # fmt: skip
+        return EXIT_USAGE
     if not argv or (argv[0] not in COMMANDS and argv[0] not in ("-h", "--help", "--version")):
         argv = ["compare", *argv]  # 'compare' is the default command
     try:

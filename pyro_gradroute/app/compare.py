@@ -20,8 +20,13 @@ parameters:
 * ``grad_var_guide`` / ``grad_var_model``: the total gradient variance, the trace of the
   covariance of the gradient estimate, :math:`\sum_i \mathrm{Var}(\hat g_i)` over the
   guide / model parameters' unconstrained elements (what compares estimators at a fit);
-* ``ms_per_step``: median wall time of an SVI step (the first, which builds the guide, left
-  out); ``khat``: PSIS k-hat of the fitted guide.
+* ``ms_per_step``: median time of an SVI step at the fitted parameters, measured once every
+  estimator is fitted (``nan`` until then), in interleaved rounds: each round runs one step
+  of every estimator, in an order that rotates from round to round, after
+  :data:`TIMING_WARMUP_ROUNDS` untimed rounds (see :func:`time_interleaved`); so no
+  estimator pays for running first, or for what the machine did during its fit. CPU time of
+  the thread (``time.thread_time``) with one torch thread, else wall time;
+  ``khat``: PSIS k-hat of the fitted guide.
 
 Each estimate carries a Monte Carlo standard error (``*_se``).
 
@@ -29,9 +34,11 @@ With ``warmup_steps = N`` every estimator starts from the same parameters: the p
 built from the seed and fitted ``N`` steps with Pyro's ``Trace_ELBO`` (repeated for each
 estimator; deterministic, so the parameters are identical), then the estimator runs its
 ``steps`` with a fresh Adam from there. This compares estimators near a fit rather than from
-the initialisation. A fit whose loss becomes
-non-finite, or rises far above where it started, is stopped: its ``diverged_at`` is the step,
-and it is not measured.
+the initialisation.
+
+A fit **diverged at step N** (:data:`~pyro_gradroute.app.catalog.DIVERGED`; a test checks
+that its numbers are :data:`DIVERGENCE_FACTOR` and ``_WINDOW``) is stopped there, not measured, and never
+called best: its ``diverged_at`` is ``N``, and the other estimators go on.
 
 Example::
 
@@ -57,6 +64,8 @@ import pyro.poutine as poutine
 import torch
 from pyro.infer import SVI
 
+from .._compat import is_deterministic_site
+from .._validation import check_float, check_int
 from ..diagnostics.gradients import GradientStats, gradient_stats
 from ..diagnostics.heldout import heldout_log_likelihood
 from ..diagnostics.inference_data import to_inference_data
@@ -66,10 +75,14 @@ from ..diagnostics.psis import PSISResult, pareto_khat
 from .estimators import make_elbo
 from .models.problem import Problem, as_problem, load_problem
 
-#: a fit is stopped when its recent loss exceeds its starting loss by this many times
-#: ``max(|starting loss|, 1)`` (or is not finite)
+#: a fit is stopped when the median loss of its last ``_WINDOW`` steps exceeds its first
+#: step's loss by this many times ``max(|first loss|, 1)``
 DIVERGENCE_FACTOR = 10.0
-_WINDOW = 10  # steps in the running medians the divergence check compares
+_WINDOW = 10  # steps in the running median the divergence check compares
+
+
+#: untimed rounds before the interleaved timing rounds (see :func:`time_interleaved`)
+TIMING_WARMUP_ROUNDS = 2
 
 
 @dataclass
@@ -78,8 +91,8 @@ class EstimatorResult:
 
     name: str
     losses: list[float]
-    ms_per_step: float
     train_loss: float
+    ms_per_step: float = math.nan
     elbo: float = math.nan
     log_px: float = math.nan
     heldout_ll: float | None = None
@@ -149,34 +162,90 @@ def _plate_depth(p: Problem) -> int:
 
 
 def divergence_step(losses: Sequence[float], factor: float = DIVERGENCE_FACTOR) -> int | None:
-    """The 1-based step at which ``losses`` diverged, else ``None``: the last loss is not
-    finite, or the median of the last few exceeds the median of the first few by more than
-    ``factor * max(|start|, 1)``.
+    """The 1-based step at which ``losses`` diverged, judged by the losses alone (the loss
+    part of :data:`~pyro_gradroute.app.catalog.DIVERGED`), else ``None``: the last loss is not finite, or the median of
+    the last ``_WINDOW`` exceeds the first loss (at the initialisation, before any update)
+    by more than ``factor * max(|first|, 1)``.
 
     >>> divergence_step([3.0, 2.0, float("nan")])
     3
+    >>> divergence_step([392.0] + [1e13] * 10)  # exploded at once: the first window too
+    11
     >>> divergence_step([1.0] * 10 + [1e6] * 10) is not None
     True
-    >>> divergence_step([10.0, 5.0, 2.0]) is None
+    >>> divergence_step([10.0, 5.0, 2.0] * 5) is None
     True
     """
     if not losses:
         return None
     if not math.isfinite(losses[-1]):
         return len(losses)
-    if len(losses) < 2 * _WINDOW:
+    if len(losses) <= _WINDOW:
         return None
-    start = statistics.median(losses[:_WINDOW])
+    start = losses[0]
     recent = statistics.median(losses[-_WINDOW:])
     if recent > start + factor * max(abs(start), 1.0):
         return len(losses)
     return None
 
 
-def _invalid_values(exc: BaseException) -> bool:
-    """Whether ``exc`` is torch's distribution-argument check failing on values (e.g. a scale
-    that underflowed to 0 or became NaN), the form a divergence often takes."""
-    return "found invalid values" in str(exc)
+def _params_finite() -> bool:
+    """Whether every param-store parameter is finite, unconstrained and constrained."""
+    store = pyro.get_param_store()
+    return all(
+        bool(torch.isfinite(u).all()) and bool(torch.isfinite(store[name]).all())
+        for name, u in store.named_parameters()
+    )
+
+
+#: words of the ``ValueError`` torch's and Pyro's value checks raise on an invalid value
+_INVALID_VALUE = ("found invalid values", "nan", "infinite", "non-finite", "not finite")
+
+
+def _step_diverged(exc: BaseException) -> bool:
+    """Whether a failed step (after a first step that did not fail) is the divergence of
+    :data:`~pyro_gradroute.app.catalog.DIVERGED`: parameters that are no longer finite, an
+    invalid value (torch's check of a distribution's parameters, a NaN log-density), or a
+    failed factorisation. Any other error is the model's, and is raised."""
+    if not _params_finite() or isinstance(exc, torch.linalg.LinAlgError):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, ValueError) and any(w in text for w in _INVALID_VALUE)
+
+
+def check_data(p: Problem) -> None:
+    """Raise ``ValueError`` naming the observed site whose data hold NaN or infinite values
+    (in the training, diagnostic or held-out arguments), before any fitting."""
+    for label, args in (("training", p.args), ("diagnostic", p.diag_args),
+                        ("held-out", p.heldout_args)):  # fmt: skip
+        if args is None:
+            continue
+        try:
+            trace = trace_model(p.model, args, p.kwargs)
+        except Exception:  # noqa: BLE001 - the model's own error is reported where it runs
+            continue
+        for name, site in trace.nodes.items():
+            value = site.get("value")
+            if not (site["type"] == "sample" and site["is_observed"] and torch.is_tensor(value)):
+                continue
+            if not value.is_floating_point() or is_deterministic_site(site):
+                continue
+            bad = ~torch.isfinite(value)
+            event_dim = site["fn"].event_dim
+            if event_dim:  # a batch element is bad if any of its event's values is
+                bad = bad.reshape(bad.shape[: bad.dim() - event_dim] + (-1,)).any(-1)
+            mask = site["mask"]  # masked-out entries (obs_mask, poutine.mask) are not read
+            if mask is False:
+                continue
+            if torch.is_tensor(mask):
+                bad = bad & mask
+            if bool(bad.any()):
+                kind = "NaN" if bool(value.isnan().any()) else "infinite"
+                raise ValueError(
+                    f"the {label} data of observed site {name!r} hold {kind} values (in "
+                    f"{int(bad.sum())} of {bad.numel()} entries): drop or impute them, or mask "
+                    "them (pyro.sample(..., obs_mask=...)), before fitting"
+                )
 
 
 def _se(x: torch.Tensor) -> float:
@@ -304,6 +373,7 @@ def warm_start(build: Callable[[], Problem], seed: int, warmup_steps: int, lr: f
     pyro.clear_param_store()
     pyro.set_rng_seed(seed)
     p = build()
+    check_data(p)
     losses: list[float] = []
     if warmup_steps:
         elbo = pyro.infer.Trace_ELBO(max_plate_nesting=_plate_depth(p))
@@ -341,22 +411,21 @@ def _run_one(build, name, seed, steps, lr, num_particles, snr_draws, num_samples
         from tqdm.auto import tqdm
 
         bar = tqdm(bar, desc=f"{name:>6}", leave=True, dynamic_ncols=True, file=sys.stderr)
-    times = []
     cv_weights: list = []
     diverged = None
     t_fit = time.perf_counter()
     for _ in bar:
-        t0 = time.perf_counter()
         try:
             losses.append(svi.step(*p.args, **p.kwargs))
-        except ValueError as e:
-            if not losses or not _invalid_values(e):
+        except Exception as e:
+            if not losses or not _step_diverged(e):
                 raise  # a first step that fails is the model's error, not a divergence
             losses.append(math.nan)  # a parameter left its support: the fit has diverged
-        times.append(time.perf_counter() - t0)
         if progress and len(losses) % 25 == 0:
             bar.set_postfix(loss=f"{losses[-1]:.4g}")
         diverged = divergence_step(losses)
+        if diverged is None and not _params_finite():
+            diverged = len(losses)
         if diverged is not None:
             break
         if hasattr(elbo, "control_variate_weights") and len(losses) % max(1, steps // 50) == 0:
@@ -364,12 +433,10 @@ def _run_one(build, name, seed, steps, lr, num_particles, snr_draws, num_samples
     if progress:
         bar.close()
     fit_seconds = time.perf_counter() - t_fit
-    ms = 1000 * statistics.median(times[1:] or times) if times else math.nan
     tail = torch.tensor(losses[-max(1, len(losses) // 10) :], dtype=torch.float64)
     result = EstimatorResult(
         name=name,
         losses=losses,
-        ms_per_step=ms,
         train_loss=float(tail.mean()) if tail.numel() else math.nan,
         train_loss_se=_se(tail),
         diverged_at=diverged,
@@ -381,7 +448,7 @@ def _run_one(build, name, seed, steps, lr, num_particles, snr_draws, num_samples
     if diverged is not None:
         _say(f"{name}: diverged at step {diverged} (loss {last}); try a smaller --lr "
              f"(was {lr:g}). Not measured.", quiet)  # fmt: skip
-        return result
+        return result, None
     _say(f"{name}: {len(losses)} steps in {fit_seconds:.1f} s, final loss {last}; "
          f"measuring ({snr_draws} gradient draws, {num_samples} guide draws)", quiet)  # fmt: skip
     result.grads = gradient_stats(
@@ -412,7 +479,70 @@ def _run_one(build, name, seed, steps, lr, num_particles, snr_draws, num_samples
             p.model, p.guide, p.args, p.heldout_args, p.heldout,
             num_samples=min(num_samples, 200), kwargs=p.kwargs, with_se=True,
         )  # fmt: skip
-    return result
+    return result, _Stepper(svi, p, pyro.get_param_store().get_state())
+
+
+class _Stepper:
+    """One more SVI step of a fitted estimator, with its own param store put in place."""
+
+    def __init__(self, svi, p: Problem, state: dict):
+        self.svi, self.p, self.state = svi, p, state
+
+    def prepare(self) -> None:
+        pyro.clear_param_store()
+        pyro.get_param_store().set_state(self.state)
+
+    def __call__(self) -> None:
+        self.svi.step(*self.p.args, **self.p.kwargs)
+
+
+def time_interleaved(
+    steps: Sequence[Callable[[], Any]],
+    rounds: int = 20,
+    warmup_rounds: int = TIMING_WARMUP_ROUNDS,
+    prepare: Sequence[Callable[[], Any]] | None = None,
+    clock: Callable[[], float] | None = None,
+) -> list[float]:
+    r"""Median milliseconds per call of each of ``steps``, timed in interleaved rounds.
+
+    Each round calls every step once (after its ``prepare``, untimed), in an order that
+    rotates by one from round to round, so each step runs in every position equally often;
+    the first ``warmup_rounds`` rounds are not timed (caches, allocator, lazy set-up). With
+    one torch thread the clock is ``time.thread_time`` (CPU time of this thread: work of
+    other processes is not counted), else ``time.perf_counter``. A step that raises gets
+    ``nan`` and is not called again.
+
+    Example::
+
+        >>> ms = time_interleaved([lambda: sum(range(10_000)), lambda: None], rounds=5)
+        >>> ms[0] > ms[1]
+        True
+    """
+    check_int(rounds, "rounds", "time_interleaved", minimum=1)
+    check_int(warmup_rounds, "warmup_rounds", "time_interleaved", minimum=0)
+    if clock is None:
+        clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
+    n = len(steps)
+    times: list[list[float]] = [[] for _ in range(n)]
+    failed: set[int] = set()
+    for r in range(warmup_rounds + rounds):
+        for i in [(r + j) % n for j in range(n)]:
+            if i in failed:
+                continue
+            if prepare is not None:
+                prepare[i]()
+            t0 = clock()
+            try:
+                steps[i]()
+            except Exception:  # noqa: BLE001 - measured already; only its time is lost
+                failed.add(i)
+                continue
+            if r >= warmup_rounds:
+                times[i].append(clock() - t0)
+    return [
+        math.nan if i in failed or not t else 1000 * statistics.median(t)
+        for i, t in enumerate(times)
+    ]
 
 
 def iter_compare(
@@ -429,16 +559,37 @@ def iter_compare(
     quiet: bool = True,
     alpha: float = 0.5,
     warmup_steps: int = 0,
+    timing_rounds: int = 20,
 ) -> Iterator[EstimatorResult]:
-    """:func:`compare_estimators`, yielding each estimator's result as soon as it is done."""
-    if not (isinstance(warmup_steps, int) and warmup_steps >= 0):
-        raise ValueError(f"warmup_steps must be an integer >= 0, got {warmup_steps!r}")
+    """:func:`compare_estimators`, yielding each estimator's result as soon as it is fitted
+    and measured; ``ms_per_step`` is filled in (on the results already yielded) once every
+    estimator is, by :func:`time_interleaved` over ``timing_rounds`` rounds."""
+    where = "iter_compare"
+    check_int(steps, "steps", where, minimum=1, allow_none=True)
+    check_float(lr, "lr", where, low=0.0, low_open=True, allow_none=True)
+    check_int(num_particles, "num_particles", where, minimum=1, allow_none=True)
+    check_int(seed, "seed", where, minimum=0)
+    check_int(snr_draws, "snr_draws", where, minimum=2)
+    check_int(num_samples, "num_samples", where, minimum=2)
+    check_int(warmup_steps, "warmup_steps", where, minimum=0)
+    check_int(timing_rounds, "timing_rounds", where, minimum=1)
     build = _builder(problem)
     for name in estimators:
         make_elbo(name)  # fail before any fitting
+    fitted: list[tuple[EstimatorResult, _Stepper]] = []
     for name in estimators:
-        yield _run_one(build, name, seed, steps, lr, num_particles, snr_draws, num_samples,
-                       progress, quiet, alpha, warmup_steps)  # fmt: skip
+        result, stepper = _run_one(build, name, seed, steps, lr, num_particles, snr_draws,
+                                   num_samples, progress, quiet, alpha, warmup_steps)  # fmt: skip
+        if stepper is not None:
+            fitted.append((result, stepper))
+        yield result
+    if fitted:
+        _say(f"timing: {timing_rounds} interleaved rounds of one step per estimator", quiet)
+        with torch.random.fork_rng(devices=[]):
+            ms = time_interleaved([s for _, s in fitted], timing_rounds,
+                                  prepare=[s.prepare for _, s in fitted])  # fmt: skip
+        for (result, _), t in zip(fitted, ms):
+            result.ms_per_step = t
 
 
 def compare_estimators(problem: str | Callable, estimators: Sequence[str], **kwargs):
@@ -456,6 +607,7 @@ def compare_estimators(problem: str | Callable, estimators: Sequence[str], **kwa
     :param warmup_steps: ``N > 0``: every estimator starts after the same ``N`` steps of
         Pyro's ``Trace_ELBO`` from the seed (see :func:`warm_start`); 0 (default): from the
         initialisation.
+    :param timing_rounds: rounds of :func:`time_interleaved` for ``ms_per_step``.
     :raises ValueError: for an unknown model or estimator (listing what exists).
     :returns: a list of :class:`EstimatorResult`, in the order of ``estimators``.
     """
@@ -493,7 +645,9 @@ scales (nats): train loss = the estimator's own loss (iwae/dreg: negative IWAE b
   observation. SNR = |mean| / sd of the gradient (norm), [68% bootstrap interval]; with D
   gradient draws a zero mean gradient reads SNR ~ 1/sqrt(D) (the noise floor, printed below):
   near it, compare estimators by tr Var = total gradient variance (trace of the covariance,
-  summed over unconstrained elements), lower is better. ± = one Monte Carlo standard error."""
+  summed over unconstrained elements), lower is better. ± = one Monte Carlo standard error.
+  ms/step = median time of a step at the fitted parameters, from interleaved rounds (one step
+  of each estimator per round, the order rotating; 2 untimed rounds first)."""
 
 
 def format_table(results: Sequence[EstimatorResult]) -> str:
@@ -513,7 +667,7 @@ def format_table(results: Sequence[EstimatorResult]) -> str:
             _snr(r.snr_model, r.snr_model_interval) if r.grads is not None and r.grads.model_params else "-",
             _fmt(r.grad_var_guide, ".3g") if r.grads is not None and r.grads.guide_params else "-",
             _fmt(r.grad_var_model, ".3g") if r.grads is not None and r.grads.model_params else "-",
-            _fmt(r.ms_per_step, ".3g"),
+            _fmt(r.ms_per_step, ".3g") if math.isfinite(r.ms_per_step) else "-",
             f"{_fmt(r.khat.khat, '.2f')} {r.khat.reading}" if r.khat is not None else "-",
         ])  # fmt: skip
     widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]

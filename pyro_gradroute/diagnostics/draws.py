@@ -32,6 +32,7 @@ from pyro.distributions.util import scale_and_mask
 from pyro.poutine.util import prune_subsample_sites
 
 from .._compat import is_deterministic_site
+from .._validation import check_int
 from .enumerated import EnumerationError, enumerate_model, marginal_terms
 from .full_data import full_data_error, full_plates
 from .plates import max_plate_nesting as plate_depth
@@ -277,7 +278,8 @@ def importance_draws(
         model does not vectorize); ``False``: one draw at a time; ``None``: try the vectorized
         pass and fall back to one draw at a time with a warning.
     :param progress: show a progress bar when drawing one at a time.
-    :raises ValueError: if ``num_samples < 2``.
+    :raises ValueError: if ``num_samples`` is not an integer >= 2, or ``max_plate_nesting``
+        not an integer >= 0 (or ``None``).
 
     Example::
 
@@ -291,8 +293,9 @@ def importance_draws(
         >>> importance_draws(model, guide, num_samples=10, vectorize=False).vectorized
         False
     """
-    if num_samples < 2:
-        raise ValueError(f"num_samples must be at least 2, got {num_samples}")
+    num_samples = check_int(num_samples, "num_samples", "importance_draws", minimum=2)
+    check_int(max_plate_nesting, "max_plate_nesting", "importance_draws", minimum=0,
+              allow_none=True)  # fmt: skip
     base = trace_model(model, args, kwargs)
     if vectorize is False:
         return _sequential(model, guide, args, kwargs, num_samples, base, progress)

@@ -31,6 +31,7 @@ import torch
 from pyro.poutine.messenger import Messenger
 
 from .._compat import handler_stack
+from .._validation import check_elbo, check_int, check_mapping
 from ..poutine.stick_the_landing_messenger import StickTheLandingMessenger, STLPolicy
 
 
@@ -254,7 +255,8 @@ def gradient_stats(
     :param num_draws: number of independent gradient evaluations (at least 2).
     :param keep_draws: keep every draw (``stats.draws``) for
         :meth:`GradientStats.snr_interval`.
-    :raises ValueError: if ``num_draws < 2``.
+    :raises ValueError: if ``num_draws`` is not an integer >= 2; ``TypeError`` (also a
+        ``ValueError``) if ``elbo`` is not an ELBO instance (e.g. the class itself).
 
     Example::
 
@@ -274,8 +276,9 @@ def gradient_stats(
         >>> stats["AutoNormal.locs.mu"].variance.shape
         torch.Size([])
     """
-    if num_draws < 2:
-        raise ValueError(f"num_draws must be at least 2 to estimate a variance, got {num_draws}")
+    check_elbo(elbo, "elbo", "gradient_stats")
+    check_int(num_draws, "num_draws", "gradient_stats", minimum=2)  # 2: for a variance
+    check_int(seed, "seed", "gradient_stats", allow_none=True)
     store = pyro.get_param_store()
     with torch.random.fork_rng(devices=[]):
         if seed is not None:
@@ -290,6 +293,12 @@ def gradient_stats(
         mean = {n: torch.zeros_like(p, dtype=torch.float64) for n, p in params.items()}
         m2 = {n: torch.zeros_like(p, dtype=torch.float64) for n, p in params.items()}
         kept: dict[str, list] = {n: [] for n in params}
+
+        def clean_up():
+            _restore(store, elbo, snapshot)
+            for n, p in store.named_parameters():
+                p.grad = saved.get(n)
+
         try:
             for d in range(num_draws):
                 if d:  # every draw is the estimator's next step from the same state
@@ -305,10 +314,13 @@ def gradient_stats(
                     m2[n] += delta * (g - mean[n])
                     if keep_draws:
                         kept[n].append(g)
-        finally:
-            _restore(store, elbo, snapshot)
-            for n, p in store.named_parameters():
-                p.grad = saved.get(n)
+        except BaseException:
+            try:
+                clean_up()
+            except Exception:  # noqa: BLE001 - the draw's error is the one to report
+                pass
+            raise
+        clean_up()
     stats = {n: ParamGradStats(mean[n], m2[n] / (count - 1)) for n in params}
     return GradientStats(
         stats,
@@ -352,6 +364,10 @@ def compare_gradients(
     """
     import pandas as pd
 
+    check_mapping(elbos, "elbos ({label: ELBO instance})", "compare_gradients")
+    for label, elbo in elbos.items():
+        check_elbo(elbo, f"elbos[{label!r}]", "compare_gradients")
+    check_int(num_draws, "num_draws", "compare_gradients", minimum=2)
     columns = {}
     for label, elbo in elbos.items():
         st = gradient_stats(model, guide, elbo, *args, num_draws=num_draws, seed=seed, **kwargs)

@@ -22,6 +22,7 @@ import pyro.poutine as poutine
 import torch
 from pyro.infer import Predictive, RenyiELBO
 
+from .._validation import check_choice, check_int
 from .draws import importance_draws
 from .inference_data import latent_and_observed
 from .plates import trace_model
@@ -84,6 +85,9 @@ def heldout_log_likelihood(
         >>> round(ll, 4)  # log N(0; 0, 1)
         -0.9189
     """
+    where = "heldout_log_likelihood"
+    check_choice(method, "method", where, ("predictive", "marginal"))
+    check_int(num_samples, "num_samples", where, minimum=2)
     kwargs = kwargs or {}
     base = trace_model(model, heldout_args, kwargs)
     _, observed = latent_and_observed(base)
@@ -94,8 +98,6 @@ def heldout_log_likelihood(
         elbo = RenyiELBO(alpha=0.0, num_particles=num_samples, vectorize_particles=True)
         value = -elbo.loss(model, guide, *heldout_args, **kwargs) / n
         return (value, math.nan) if with_se else value
-    if method != "predictive":
-        raise ValueError(f"method must be 'predictive' or 'marginal', got {method!r}")
     draws = importance_draws(
         model, guide, *train_args, num_samples=num_samples, progress=False, **kwargs
     )

@@ -14,6 +14,7 @@ import math
 import numpy as np
 import torch
 
+from .._validation import check_float, check_int
 from ._arviz import psislw_khat
 from .draws import importance_draws
 
@@ -82,6 +83,7 @@ def pareto_khat(log_ratios, rtol: float = 1e-6) -> PSISResult:
         >>> k.reading  # log-normal ratios with sigma = 3 have very heavy tails
         'unreliable'
     """
+    rtol = check_float(rtol, "rtol", "pareto_khat", low=0.0)
     lw = np.asarray(torch.as_tensor(log_ratios).detach().cpu().double()).reshape(-1)
     if np.isnan(lw).any():
         raise ValueError(
@@ -133,6 +135,8 @@ def psis_khat(
         >>> psis_khat(model, off, num_samples=4000).reading
         'unreliable'
     """
+    check_int(num_samples, "num_samples", "psis_khat", minimum=2)
+    check_int(max_plate_nesting, "max_plate_nesting", "psis_khat", minimum=0, allow_none=True)
     draws = importance_draws(
         model, guide, *args, num_samples=num_samples, max_plate_nesting=max_plate_nesting,
         vectorize=vectorize, progress=progress, **kwargs,

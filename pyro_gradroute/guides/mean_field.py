@@ -16,6 +16,7 @@ from pyro.ops.tensor_utils import periodic_repeat
 from torch.distributions import Distribution, Transform, biject_to, constraints
 
 from .._compat import SameNameContainer, pyro_name
+from .._validation import check_float, check_mapping
 from .init import has_moment_init, moment_init, support_spread
 from .parametrized import ParametrizedDistribution, as_pyro_family
 from .support import family_support, match_support
@@ -174,20 +175,12 @@ class AutoMeanField(AutoGuide):
                 "AutoMeanField: family must be a distribution class, a dict {site: class} or a "
                 f"callable site -> class; got {family!r}"
             )
-        if (
-            isinstance(init_scale, bool)
-            or not isinstance(init_scale, (int, float))
-            or not init_scale > 0
-        ):
-            raise ValueError(f"AutoMeanField: expected init_scale > 0, got {init_scale!r}")
         self.family = family
         self.init_loc_fn = init_loc_fn
-        self._init_scale = float(init_scale)
-        if init_params is not None and not isinstance(init_params, Mapping):
-            raise TypeError(
-                "AutoMeanField: init_params must be a dict {site: {arg: value}}, got "
-                f"{type(init_params).__name__}"
-            )
+        self._init_scale = check_float(
+            init_scale, "init_scale", "AutoMeanField", low=0.0, low_open=True
+        )
+        check_mapping(init_params, "init_params", "AutoMeanField", allow_none=True)
         for site, args in (init_params or {}).items():
             if not isinstance(args, Mapping):
                 raise TypeError(

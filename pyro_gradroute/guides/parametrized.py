@@ -27,6 +27,7 @@ from pyro.nn import PyroModule, PyroParam
 from torch.distributions import Distribution, constraints, transform_to
 
 from .._compat import pyro_context, pyro_name
+from .._validation import check_int, check_mapping, check_str
 
 __all__ = ["ParametrizedDistribution", "as_pyro_family"]
 
@@ -132,10 +133,12 @@ class ParametrizedDistribution(PyroModule):
         event_dim: int = 0,
         **init: Any,
     ) -> None:
+        check_str(name, "name", "ParametrizedDistribution")
         super().__init__(name=name)
         self.family = as_pyro_family(family)
-        self.event_dim = int(event_dim)
         where = f"ParametrizedDistribution({name!r}, {self.family.__name__})"
+        self.event_dim = check_int(event_dim, "event_dim", where, minimum=0)
+        check_mapping(fixed, "fixed", where, allow_none=True)
         arg_constraints = self.family.arg_constraints
         if not isinstance(arg_constraints, dict):
             raise TypeError(

@@ -20,6 +20,7 @@ from pyro.infer.util import torch_item
 from pyro.util import warn_if_nan
 
 from .. import routing
+from .._validation import check_int
 from ..poutine.collect import collect_blocks as _collect
 from .traces import get_split_importance_trace
 
@@ -69,7 +70,17 @@ class RoutedELBO(ELBO):
     (as ``pyro.contrib.cevae.TraceCausalEffect_ELBO`` does) is used as such; its
     default here is built from the terms. Routes cannot be applied to such an opaque
     surrogate: with ``block_grad`` marks present that combination raises.
+
+    Takes :class:`pyro.infer.ELBO`'s arguments; ``num_particles`` must be an integer >= 1
+    (else an error naming it, before any work: 0 particles would give a loss of 0.0 and
+    no gradient).
     """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.num_particles = check_int(
+            self.num_particles, "num_particles", type(self).__name__, minimum=1
+        )
 
     def _particle_divisor(self) -> int:
         return self.num_particles

@@ -153,7 +153,11 @@ def test_read_only_out_folder_is_refused(capsys, tmp_path):
     ro = tmp_path / "ro"
     ro.mkdir(mode=0o500)
     assert main(["compare", "--out", str(ro / "plots")]) == 2
-    assert "argument --out: cannot write to" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"argument --out: cannot create a folder in {str(ro)!r}: Permission denied" in err
+    assert main(["compare", "--out", str(ro)]) == 2  # the folder exists: a file in it
+    err = capsys.readouterr().err
+    assert f"argument --out: cannot write to {str(ro)!r}: Permission denied" in err
 
 
 @pytest.mark.parametrize(

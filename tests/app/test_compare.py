@@ -157,3 +157,20 @@ def test_warmup_starts_every_estimator_from_the_same_parameters():
     assert "after the same 15 Trace_ELBO warm-up steps" in format_table(rows)
     with pytest.raises(ValueError, match="warmup_steps must be an integer >= 0"):
         compare_estimators("gaussian_means", ["trace"], warmup_steps=-2)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [({"steps": 0}, "steps must be an integer >= 1"), ({"steps": 2.5}, "steps must be an integer"),
+     ({"lr": -1.0}, "lr must be > 0.0"), ({"lr": float("nan")}, "lr must be a finite number"),
+     ({"num_particles": 0}, "num_particles must be an integer >= 1"),
+     ({"seed": -1}, "seed must be an integer >= 0"), ({"snr_draws": 1}, "snr_draws must be"),
+     ({"num_samples": "10"}, "num_samples must be an integer"),
+     ({"timing_rounds": 0}, "timing_rounds must be an integer >= 1")],
+)  # fmt: skip
+def test_bad_arguments_are_named_before_any_fitting(kwargs, message, monkeypatch):
+    import pyro_gradroute.app.compare as compare
+
+    monkeypatch.setattr(compare, "_run_one", lambda *a: pytest.fail("fitted before checking"))
+    with pytest.raises(ValueError, match=f"iter_compare: {message}"):
+        compare_estimators("gaussian_means", ["stl"], **kwargs)

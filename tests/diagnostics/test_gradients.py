@@ -74,5 +74,5 @@ def test_norm_snr_of_an_exactly_zero_gradient_is_nan():
 
 
 def test_needs_two_draws():
-    with pytest.raises(ValueError, match="at least 2"):
+    with pytest.raises(ValueError, match="gradient_stats: num_draws must be an integer >= 2"):
         gradient_stats(gaussian, param_guide, Trace_ELBO(), torch.zeros(2), num_draws=1)

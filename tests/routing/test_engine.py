@@ -207,7 +207,8 @@ def test_nan_term_warns(seed_net):
 
 
 def _chosen_plan(terms, block) -> str:
-    groups, graph, _ = routing._groups(routing._differentiable(terms), block)
+    terms = routing._differentiable(terms)
+    groups, graph, _ = routing._groups(terms, routing._resolve_block(terms, block))
     plan = routing._plan(groups, graph)
     return "by_terms" if any(inputs is None for _, inputs in plan) else "by_params"
 

@@ -24,6 +24,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from ..._validation import check_choice
+
 
 @dataclass
 class Problem:
@@ -67,10 +69,7 @@ class Problem:
         self.args = tuple(self.args)
         if self.heldout_args is not None:
             self.heldout_args = tuple(self.heldout_args)
-        if self.heldout not in ("predictive", "marginal"):
-            raise ValueError(
-                f"Problem: heldout must be 'predictive' or 'marginal', got {self.heldout!r}"
-            )
+        check_choice(self.heldout, "heldout", "Problem", ("predictive", "marginal"))
 
 
 def _available() -> str:
