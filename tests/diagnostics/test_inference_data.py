@@ -3,13 +3,18 @@ import pytest
 import torch
 from pyro.infer.autoguide import AutoNormal
 
-from pyro_gradroute.diagnostics import to_inference_data
-from pyro_gradroute.diagnostics._arviz import import_arviz
+from pyro_gradroute.diagnostics import from_pyro_svi, pareto_khat, to_inference_data
+from pyro_gradroute.diagnostics._arviz import arviz_major, group_names, import_arviz
 
 from .models import gaussian, gaussian_posterior, normal_normal_plates
 
 az = import_arviz()
+ARVIZ_1 = arviz_major() >= 1  # every test runs on the installed line: 0.23 or 1.x
 S = 300
+
+
+def _elpd(loo) -> float:
+    return float(loo.elpd if ARVIZ_1 else loo.elpd_loo)
 
 
 @pytest.fixture
@@ -21,7 +26,7 @@ def idata():
 
 def test_groups_dims_and_shapes(idata):
     x, idata = idata
-    assert set(idata.groups()) == {
+    assert set(group_names(idata)) == {
         "posterior", "posterior_predictive", "log_likelihood", "observed_data", "sample_stats",
     }  # fmt: skip
     post = idata["posterior"]
@@ -56,8 +61,10 @@ def test_summary_and_loo_run(idata):
     summary = az.summary(idata, var_names=["mu", "w", "t"], kind="stats")
     assert list(summary.index) == ["mu", "w[0]", "w[1]", "w[2]", "t[a]", "t[b]"]
     loo = az.loo(idata, pointwise=True)
-    assert loo.n_data_points == 10 and np.isfinite(loo.elpd_loo)
-    assert np.isfinite(az.waic(idata).elpd_waic)
+    assert loo.n_data_points == 10 and np.isfinite(_elpd(loo))
+    assert loo.pareto_k.shape == (5, 2)  # one k per observation (data, group)
+    if not ARVIZ_1:  # ArviZ 1.x has no waic
+        assert np.isfinite(az.waic(idata).elpd_waic)
 
 
 def test_exact_guide_gives_exact_posterior_and_constant_ratios():
@@ -78,16 +85,14 @@ def test_exact_guide_gives_exact_posterior_and_constant_ratios():
 
 
 def _arviz_log(fn):
-    """``fn()``'s result and the messages ArviZ logged meanwhile (ArviZ logs through its own
+    """``fn()``'s result and the messages ArviZ 0.23 logged meanwhile (through its own
     ``Logger("arviz")`` object, outside the logging registry)."""
     import logging
-
-    import arviz
 
     records: list[str] = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: records.append(record.getMessage())
-    logger = arviz._log
+    logger = az._log
     logger.addHandler(handler)
     try:
         return fn(), records
@@ -96,12 +101,83 @@ def _arviz_log(fn):
 
 
 def test_summary_kind_stats_is_the_documented_summary_of_guide_draws(idata):
-    """The draws are i.i.d., not a chain: kind="stats" gives mean, sd and HDI without the
-    one-chain warning and NaN r_hat that plain az.summary gives."""
+    """The draws are i.i.d., not a chain: kind="stats" gives mean, sd and an interval (HDI on
+    0.23, ETI on 1.x) without the NaN r_hat (and, on 0.23, the one-chain warning) that plain
+    az.summary gives."""
     _, idata = idata
-    summary, logged = _arviz_log(lambda: az.summary(idata, var_names=["mu"], kind="stats"))
-    assert list(summary.columns) == ["mean", "sd", "hdi_3%", "hdi_97%"]
-    assert logged == []
-    full, logged = _arviz_log(lambda: az.summary(idata, var_names=["mu"]))
-    assert np.isnan(full["r_hat"]).all()  # why plain az.summary is not the documented call
-    assert any("chains=2" in m for m in logged)
+    interval = ["eti89_lb", "eti89_ub"] if ARVIZ_1 else ["hdi_3%", "hdi_97%"]
+    full = az.summary(idata, var_names=["mu"])
+    assert np.isnan(full["r_hat"].astype(float)).all()  # why plain az.summary is not the call
+    summary = az.summary(idata, var_names=["mu"], kind="stats")
+    assert list(summary.columns) == ["mean", "sd", *interval]
+    mu = idata["posterior"]["mu"].values.ravel()
+    np.testing.assert_allclose(summary.loc["mu", "mean"], mu.mean(), atol=0.01)
+    if not ARVIZ_1:
+        _, logged = _arviz_log(lambda: az.summary(idata, var_names=["mu"], kind="stats"))
+        assert logged == []
+        _, logged = _arviz_log(lambda: az.summary(idata, var_names=["mu"]))
+        assert any("chains=2" in m for m in logged)
+
+
+def test_from_pyro_svi_is_to_inference_data_and_returns_this_arvizs_type(idata):
+    _, idata = idata
+    assert to_inference_data is from_pyro_svi
+    if ARVIZ_1:
+        import xarray as xr
+
+        assert isinstance(idata, xr.DataTree)
+    else:
+        assert isinstance(idata, az.InferenceData)
+
+
+def test_attributes_name_pyro_and_the_pareto_k(idata):
+    _, idata = idata
+    for group in group_names(idata):
+        if group != "observed_data":
+            assert idata[group].attrs["inference_library"] == "pyro"
+    stats = idata["sample_stats"]
+    lw = stats["log_importance_ratio"].values.ravel()
+    assert stats.attrs["pareto_k"] == pareto_khat(lw).khat
+
+
+@pytest.mark.parametrize("bad, error", [(2.5, TypeError), ("10", TypeError), (1, ValueError),
+                                        (True, TypeError)])  # fmt: skip
+def test_num_samples_must_be_an_integer_of_at_least_2(bad, error):
+    x = torch.randn(5, 2)
+    guide = AutoNormal(normal_normal_plates)
+    with pytest.raises(error, match="from_pyro_svi: num_samples must be an integer"):
+        from_pyro_svi(normal_normal_plates, guide, x, num_samples=bad)
+
+
+@pytest.mark.parametrize("dims", [{"w": ["a", "b"]}, {"x": ["data"]}, {"t": []}])
+def test_a_dims_entry_with_the_wrong_number_of_names_is_refused(dims):
+    x = torch.randn(5, 2)
+    guide = AutoNormal(normal_normal_plates)
+    (name,) = dims
+    with pytest.raises(ValueError, match=rf"dims\['{name}'\] names {len(dims[name])} dim"):
+        from_pyro_svi(normal_normal_plates, guide, x, num_samples=10, dims=dims)
+
+
+def test_dims_entry_renames_the_dimension(idata):
+    x = torch.randn(5, 2)
+    guide = AutoNormal(normal_normal_plates)
+    out = from_pyro_svi(normal_normal_plates, guide, x, num_samples=10, dims={"w": "feature"})
+    assert out["posterior"]["w"].dims == ("chain", "draw", "feature")
+
+
+def test_posterior_and_predictive_plots_accept_it(idata):
+    """ArviZ's posterior plot (0.23: plot_posterior, 1.x: plot_dist) and predictive check."""
+    import matplotlib
+    import matplotlib.pyplot as plt
+
+    matplotlib.use("Agg")
+    _, idata = idata
+    if ARVIZ_1:  # PlotCollections: one panel per scalar, one per observed variable
+        pc = az.plot_dist(idata, var_names=["mu", "t"], backend="matplotlib")
+        assert pc.viz["plot"]["mu"].size == 1 and pc.viz["plot"]["t"].size == 2
+        pc = az.plot_ppc_dist(idata, backend="matplotlib", num_samples=20)
+        assert pc.viz["plot"]["x"].size == 1
+    else:
+        assert len(np.ravel(az.plot_posterior(idata, var_names=["mu", "t"]))) == 3
+        assert len(np.ravel(az.plot_ppc(idata, num_pp_samples=20))) == 1
+    plt.close("all")
