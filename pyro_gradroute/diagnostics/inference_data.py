@@ -57,8 +57,8 @@ from pyro.infer import Predictive
 from pyro.poutine.uncondition_messenger import UnconditionMessenger
 from pyro.poutine.util import prune_subsample_sites
 
-from .._compat import is_deterministic_site
 from .. import _validation
+from .._compat import is_deterministic_site
 from ._arviz import from_dict
 from .draws import ImportanceDraws, importance_draws
 from .full_data import full_plates
