@@ -63,18 +63,22 @@ def group_names(data) -> list[str]:
     return list(data.children)  # DataTree: groups are the root's children
 
 
-def psislw_khat(log_ratios: np.ndarray) -> float:
-    """Pareto k-hat of ``log_ratios`` from ArviZ's PSIS (``az.psislw`` on 0.23,
-    ``DataArray.azstats.psislw`` on 1.x)."""
-    lw = np.asarray(log_ratios, dtype=np.float64)
+def psislw_khat(log_ratios: np.ndarray) -> float | None:
+    """Pareto k-hat of the importance log-ratios ``log_ratios`` from ArviZ's PSIS (``az.psislw``
+    on 0.23, ``DataArray.azstats.psislw`` on 1.x), or ``None`` where this ArviZ cannot fit it
+    (1.x: fewer than 25 draws, as its tail is a fifth of them and needs 5)."""
+    lw = np.asarray(log_ratios, dtype=np.float64).reshape(-1)
     az = import_arviz()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "k-hat > 0.7" is a result here, not a warning
         if arviz_major() >= 1:
+            if lw.size < 25:
+                return None
             import arviz_stats  # noqa: F401  (registers the .azstats accessor)
             import xarray as xr
 
-            _, khat = xr.DataArray(lw, dims=["draw"]).azstats.psislw(dim="draw")
+            # 1.x's psislw takes a log-likelihood, whose negation is the LOO log-ratio
+            _, khat = xr.DataArray(-lw, dims=["draw"]).azstats.psislw(dim="draw")
         else:
             _, khat = az.psislw(lw)
     return float(np.asarray(khat))

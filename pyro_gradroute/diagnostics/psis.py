@@ -52,10 +52,25 @@ class PSISResult(float):
     __str__ = __repr__
 
 
+def _pyro_khat(lw: np.ndarray) -> float:
+    """Pyro's tail fit (as in :func:`pyro.infer.importance.psis_diagnostic`)."""
+    from pyro.ops.stats import fit_generalized_pareto
+
+    lw = torch.as_tensor(lw, dtype=torch.float64)
+    n = lw.numel()
+    m = max(5, min(int(0.2 * n), int(3 * math.sqrt(n))))
+    top, _ = lw.topk(m + 1)
+    tail = (top[:-1] - top[-1]).exp() - 1.0
+    k, _ = fit_generalized_pareto(tail)
+    return float(k)
+
+
 def pareto_khat(log_ratios, rtol: float = 1e-6) -> PSISResult:
     r"""PSIS :math:`\hat k` of given importance log-ratios :math:`\log p(x,z_s) - \log q(z_s)`.
 
-    Uses ArviZ's PSIS (``az.psislw`` on ArviZ 0.23, ``.azstats.psislw`` on 1.x).
+    Uses ArviZ's PSIS (``az.psislw`` on ArviZ 0.23, ``.azstats.psislw`` on 1.x); Pyro's
+    generalized-Pareto fit (the 5 largest ratios at least) for fewer than 25 draws on ArviZ 1.x,
+    whose PSIS needs a tail of 5 draws out of a fifth of them.
     Log-ratios that are all equal, up to ``rtol * (1 + max |log r|)`` (float rounding), give
     ``-inf`` ("good"): PSIS itself would report ``inf`` for that perfect case.
 
@@ -82,7 +97,8 @@ def pareto_khat(log_ratios, rtol: float = 1e-6) -> PSISResult:
         raise ValueError(f"pareto_khat needs at least 2 finite log-ratios, got {lw.size}")
     if np.ptp(lw) <= rtol * (1.0 + np.abs(lw).max()):
         return PSISResult(-math.inf, lw.size)
-    return PSISResult(psislw_khat(lw), lw.size)
+    khat = psislw_khat(lw)
+    return PSISResult(_pyro_khat(lw) if khat is None else khat, lw.size)
 
 
 def psis_khat(

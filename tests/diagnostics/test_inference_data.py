@@ -3,6 +3,7 @@ import pytest
 import torch
 from pyro.infer.autoguide import AutoNormal
 
+from pyro_gradroute.app.catalog import ESTIMATORS
 from pyro_gradroute.diagnostics import from_pyro_svi, pareto_khat, to_inference_data
 from pyro_gradroute.diagnostics._arviz import arviz_major, group_names, import_arviz
 
@@ -181,3 +182,30 @@ def test_posterior_and_predictive_plots_accept_it(idata):
         assert len(np.ravel(az.plot_posterior(idata, var_names=["mu", "t"]))) == 3
         assert len(np.ravel(az.plot_ppc(idata, num_pp_samples=20))) == 1
     plt.close("all")
+
+
+@pytest.mark.parametrize("estimator", sorted(ESTIMATORS))
+def test_a_users_session_fit_convert_summary_loo(estimator):
+    """Fit with each estimator, convert, az.summary, az.loo: the conjugate posterior
+    N(sum x / (n+1), 1/(n+1)) comes back (the guide family contains it, so every bound's
+    optimum is it), and the summary's mean is the draws' mean (4 Monte Carlo SE)."""
+    import pyro
+
+    from pyro_gradroute.app.estimators import make_elbo
+
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    x = torch.tensor([0.3, 1.2, 0.8, -0.4, 1.5, 0.9, 0.2, 1.1, 0.6, 0.7])
+    m, s = gaussian_posterior(x)
+    guide = AutoNormal(gaussian, init_scale=1.0)
+    svi = pyro.infer.SVI(gaussian, guide, pyro.optim.ClippedAdam({"lr": 0.05, "lrd": 0.998}),
+                         make_elbo(estimator, num_particles=8, max_plate_nesting=1))  # fmt: skip
+    for _ in range(1500):
+        svi.step(x)
+    data = from_pyro_svi(gaussian, guide, x, num_samples=2000)
+    stats = az.summary(data, kind="stats")
+    draws = data["posterior"]["z"].values.ravel()
+    assert abs(stats.loc["z", "mean"] - draws.mean()) < 4 * draws.std() / np.sqrt(draws.size)
+    # the fit: a guide a quarter of a posterior sd off (or 25% too wide / narrow) fails
+    assert abs(draws.mean() - m) < 0.25 * s and abs(draws.std() / s - 1) < 0.25, estimator
+    assert np.isfinite(_elpd(az.loo(data)))
