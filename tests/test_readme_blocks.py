@@ -34,6 +34,7 @@ RUNNERS = {
     "guides": "tests/guides/test_readme_guides.py",
     "recipes": "tests/test_readme_recipes.py",
     "diagnostics": "tests/test_readme_recipes.py",
+    "install": "tests/diagnostics/test_inference_data.py",
 }
 
 

@@ -209,3 +209,11 @@ def test_a_users_session_fit_convert_summary_loo(estimator):
     # the fit: a guide a quarter of a posterior sd off (or 25% too wide / narrow) fails
     assert abs(draws.mean() - m) < 0.25 * s and abs(draws.std() / s - 1) < 0.25, estimator
     assert np.isfinite(_elpd(az.loo(data)))
+
+
+def test_readme_install_snippet_runs_on_this_arviz():
+    from tests.readme import python_snippets, run_snippet
+
+    (code,) = python_snippets("install")
+    ns = run_snippet(code, "README install")
+    assert np.isfinite(ns["elpd"]) and "mean" in ns["stats"].columns
