@@ -13,8 +13,11 @@ sample group with ``chain = 1`` and ``draw = num_samples``):
 * ``sample_stats``: ``log_importance_ratio`` :math:`= \log p(x, z_s) - \log q(z_s)` per draw
   (the input of PSIS, :func:`~pyro_gradroute.diagnostics.psis_khat`). It lives in
   ``sample_stats`` because, like ArviZ's ``lp``, it is one number per draw that describes the
-  draw rather than a model quantity. The group's attribute ``pareto_k`` is the PSIS
-  :math:`\hat k` of these ratios (:func:`~pyro_gradroute.diagnostics.pareto_khat`).
+  draw rather than a model quantity. Beside it ``lp`` :math:`= \log p(x, z_s)` and ``log_q``
+  :math:`= \log q(z_s)`, the target and proposal log-densities that ArviZ 1.x's
+  ``az.loo_approximate_posterior(data, log_p=..., log_q=...)`` takes to correct PSIS-LOO for
+  draws from the guide rather than the posterior. The group's attribute ``pareto_k`` is the PSIS
+  :math:`\hat k` of the ratios (:func:`~pyro_gradroute.diagnostics.pareto_khat`).
 
 It follows the layout of ArviZ 1.x's ``from_numpyro_svi`` (the converter for NumPyro's SVI),
 except for the sample dimensions: ``(chain, draw)`` with one chain rather than ``sample``, the
@@ -190,7 +193,11 @@ def from_pyro_svi(
         "observed_data": {
             k: base.nodes[k]["value"].detach().cpu().double().numpy() for k in observed
         },
-        "sample_stats": {"log_importance_ratio": _numpy_draws(draws.log_ratios)},
+        "sample_stats": {
+            "log_importance_ratio": _numpy_draws(draws.log_ratios),
+            "lp": _numpy_draws(draws.log_ratios + draws.log_q),
+            "log_q": _numpy_draws(draws.log_q),
+        },
     }
     if posterior_predictive and observed:
         pp = _posterior_predictive(model, draws, observed, args, kwargs)

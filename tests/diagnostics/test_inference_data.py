@@ -27,6 +27,7 @@ def idata():
 
 def test_groups_dims_and_shapes(idata):
     x, idata = idata
+    assert set(idata["sample_stats"].data_vars) == {"log_importance_ratio", "lp", "log_q"}
     assert set(group_names(idata)) == {
         "posterior", "posterior_predictive", "log_likelihood", "observed_data", "sample_stats",
     }  # fmt: skip
@@ -55,6 +56,21 @@ def test_log_likelihood_and_ratios_are_the_densities(idata):
     np.testing.assert_allclose(idata["log_likelihood"]["x"].values[0], expected, rtol=1e-4)
     lw = idata["sample_stats"]["log_importance_ratio"].values[0]
     assert np.isfinite(lw).all() and np.ptp(lw) > 0
+    # lp = log p(x, z) and log_q = log q(z), recomputed from the draws and the guide's parameters
+    std = torch.distributions.Normal(0.0, 1.0)
+    z = {k: torch.as_tensor(post[k].values[0]) for k in ("mu", "w", "t")}  # (S, ...)
+    lp = sum(std.log_prob(v).reshape(S, -1).sum(-1) for v in z.values()) + expected.sum((-1, -2))
+    np.testing.assert_allclose(idata["sample_stats"]["lp"].values[0], lp, rtol=1e-5)
+    import pyro
+
+    lq = sum(
+        torch.distributions.Normal(pyro.param(f"AutoNormal.locs.{k}"),
+                                   pyro.param(f"AutoNormal.scales.{k}")).log_prob(v)
+        .reshape(S, -1).sum(-1)
+        for k, v in z.items()
+    ).detach()  # fmt: skip
+    np.testing.assert_allclose(idata["sample_stats"]["log_q"].values[0], lq, rtol=1e-5)
+    np.testing.assert_allclose(lw, (lp - lq).numpy(), rtol=1e-4, atol=1e-4)
 
 
 def test_summary_and_loo_run(idata):
@@ -64,6 +80,10 @@ def test_summary_and_loo_run(idata):
     loo = az.loo(idata, pointwise=True)
     assert loo.n_data_points == 10 and np.isfinite(_elpd(loo))
     assert loo.pareto_k.shape == (5, 2)  # one k per observation (data, group)
+    if ARVIZ_1:  # PSIS-LOO corrected for draws from the guide instead of the posterior
+        stats = idata["sample_stats"]
+        approx = az.loo_approximate_posterior(idata, log_p=stats["lp"], log_q=stats["log_q"])
+        assert approx.n_data_points == 10 and np.isfinite(approx.elpd)
     if not ARVIZ_1:  # ArviZ 1.x has no waic
         assert np.isfinite(az.waic(idata).elpd_waic)
 
