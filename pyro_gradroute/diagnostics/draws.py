@@ -187,8 +187,9 @@ def _traces(model, guide, args, kwargs, num_samples: int | None, nesting: int):
 
 
 def _log_ratio_and_log_probs(guide_trace, model_trace, particle_plate):
-    """``log p(x, z) - log q(z)`` per draw (enumerated sites summed out), and the unscaled
-    pointwise ``log p(x_i | z)`` of each observed site (or the reason it has none)."""
+    """``log p(x, z) - log q(z)`` and ``log q(z)`` per draw (enumerated sites summed out), the
+    unscaled pointwise ``log p(x_i | z)`` of each observed site (or the reason it has none), and
+    the enumerated sites."""
     msites = dict(_sample_sites(model_trace))
     mlp = {n: s["fn"].log_prob(s["value"]) for n, s in msites.items()}
     terms, pointwise, enumerated = marginal_terms(msites, mlp, particle_plate)
