@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..diagnostics._arviz import import_arviz
+from ..diagnostics._arviz import forest_figure
 
 
 def _pyplot():
@@ -99,49 +99,14 @@ def plot_snr(results, path: str) -> str:
     return path
 
 
-def _arviz_forest(idatas, names, var_names):
-    """ArviZ 0.x ``plot_forest``; ``None`` where this ArviZ plots differently (1.x)."""
-    az = import_arviz()
-    height = 1.5 + 0.1 * _num_rows(idatas[0], var_names) * len(names)
-    try:
-        axes = az.plot_forest(idatas, model_names=names, var_names=var_names, combined=True,
-                              figsize=(7, height))  # fmt: skip
-    except (AttributeError, TypeError):
-        return None
-    return np.ravel(axes)[0].figure
-
-
-def _matplotlib_forest(idatas, names, var_names):
-    """Posterior mean +- 2 sd per scalar, one colour per estimator (plain matplotlib)."""
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7, 1.5 + 0.1 * _num_rows(idatas[0], var_names) * len(names)))
-    labels: list[str] = []
-    for k, (idata, name) in enumerate(zip(idatas, names)):
-        post = idata["posterior"]
-        labels, means, sds = [], [], []
-        for v in var_names or list(post.data_vars):
-            a = np.asarray(post[v])
-            flat = a.reshape(a.shape[0] * a.shape[1], -1)
-            labels += [f"{v}[{j}]" if flat.shape[1] > 1 else v for j in range(flat.shape[1])]
-            means += list(flat.mean(0))
-            sds += list(flat.std(0))
-        y = np.arange(len(labels)) + 0.8 * k / len(names)
-        ax.errorbar(means, y, xerr=2 * np.asarray(sds), fmt="o", label=name)
-    ax.set_yticks(np.arange(len(labels)), labels)
-    ax.invert_yaxis()
-    ax.legend()
-    return fig
-
-
 def plot_forest(results, path: str, var_names=None) -> str:
-    """ArviZ's forest plot of every estimator's guide draws (matplotlib fallback on ArviZ 1.x)."""
+    """ArviZ's forest plot of every estimator's guide draws (ArviZ 0.23 or 1.x)."""
     plt = _pyplot()
     results = [r for r in results if r.idata is not None]  # diverged fits have no draws
     if not results:
         return None
-    idatas = [r.idata for r in results]
-    names = [r.name for r in results]
-    fig = _arviz_forest(idatas, names, var_names) or _matplotlib_forest(idatas, names, var_names)
+    height = 1.5 + 0.1 * _num_rows(results[0].idata, var_names) * len(results)
+    fig = forest_figure({r.name: r.idata for r in results}, var_names, (7, height))
     fig.savefig(path, dpi=100, bbox_inches="tight")
     plt.close(fig)
     return path

@@ -1,13 +1,16 @@
-"""ArviZ, imported lazily and used through the calls that ArviZ 0.23 and 1.x share.
+"""ArviZ, imported lazily; every difference between the 0.23 line and the 1.x line lives here.
 
-ArviZ 0.23 (Python 3.10/3.11) takes ``from_dict(posterior=..., log_likelihood=..., ...)`` and
-has ``psislw``; ArviZ 1.x (arviz-base/arviz-stats) takes ``from_dict({"posterior": ..., ...})``
-and may move ``psislw``. Everything version-dependent lives here.
+ArviZ 0.23 (``arviz`` alone) builds an ``arviz.InferenceData``: ``from_dict(posterior=...,
+log_likelihood=..., ...)``, ``idata.groups()``, ``az.psislw`` and matplotlib plots returning
+axes. ArviZ 1.x (``arviz-base``, ``arviz-stats``, ``arviz-plots``) builds an
+``xarray.DataTree``: ``from_dict({"posterior": ..., ...})``, groups are the tree's children,
+PSIS is the ``.azstats.psislw`` accessor and plots return a ``PlotCollection``. Both hold the
+same groups, variables, dimensions and coordinates, and both take ``az.summary``, ``az.loo``
+and ``az.plot_*`` on the result.
 """
 
 from __future__ import annotations
 
-import inspect
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -24,26 +27,72 @@ def import_arviz():
     return arviz
 
 
-def from_dict(groups: Mapping[str, Mapping[str, np.ndarray]], coords: dict, dims: dict) -> Any:
-    """``arviz.from_dict`` for either signature; ``groups`` maps group name -> {var: array}."""
+def arviz_major() -> int:
+    """The installed ArviZ's major version: 0 (the 0.23 line) or 1."""
+    return int(import_arviz().__version__.split(".")[0])
+
+
+def from_dict(
+    groups: Mapping[str, Mapping[str, np.ndarray]],
+    coords: dict,
+    dims: dict,
+    attrs: Mapping[str, Mapping[str, Any]] | None = None,
+) -> Any:
+    """``arviz.from_dict`` on either line: an ``InferenceData`` (0.23) or a ``DataTree`` (1.x).
+
+    ``groups`` maps group name -> {variable: array} (empty groups are dropped; sample groups
+    lead with ``(chain, draw)``); ``attrs`` maps group name -> attributes added to that group.
+    """
     az = import_arviz()
     groups = {k: dict(v) for k, v in groups.items() if v}
-    if "posterior" in inspect.signature(az.from_dict).parameters:  # ArviZ 0.x
-        return az.from_dict(**groups, coords=coords, dims=dims)
-    return az.from_dict(groups, coords=coords, dims=dims)  # ArviZ 1.x: one dict of groups
+    if arviz_major() >= 1:
+        data = az.from_dict(groups, coords=coords, dims=dims)  # one dict of groups
+    else:
+        data = az.from_dict(**groups, coords=coords, dims=dims)
+    for group, group_attrs in (attrs or {}).items():
+        if group in group_names(data):
+            data[group].attrs.update(group_attrs)
+    return data
+
+
+def group_names(data) -> list[str]:
+    """The group names of an ``InferenceData`` (0.23) or of a ``DataTree`` (1.x)."""
+    groups = data.groups
+    if callable(groups):  # InferenceData.groups()
+        return list(groups())
+    return list(data.children)  # DataTree: groups are the root's children
 
 
 def psislw_khat(log_ratios: np.ndarray) -> float | None:
-    """Pareto k-hat from ArviZ's PSIS, or ``None`` when this ArviZ has no ``psislw``."""
+    """Pareto k-hat of the importance log-ratios ``log_ratios`` from ArviZ's PSIS (``az.psislw``
+    on 0.23, ``DataArray.azstats.psislw`` on 1.x), or ``None`` where this ArviZ cannot fit it
+    (1.x: fewer than 25 draws, as its tail is a fifth of them and needs 5)."""
+    lw = np.asarray(log_ratios, dtype=np.float64).reshape(-1)
     az = import_arviz()
-    psislw = getattr(az, "psislw", None)
-    if psislw is None:
-        try:  # ArviZ 1.x keeps the statistics in arviz_stats
-            from arviz_stats import psislw  # type: ignore[no-redef]
-        except ImportError:
-            return None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "k-hat > 0.7" is a result here, not a warning
-        out = psislw(np.asarray(log_ratios, dtype=np.float64))
-    khat = out[1] if isinstance(out, tuple) else getattr(out, "khat", None)
-    return None if khat is None else float(np.asarray(khat))
+        if arviz_major() >= 1:
+            if lw.size < 25:
+                return None
+            import arviz_stats  # noqa: F401  (registers the .azstats accessor)
+            import xarray as xr
+
+            # 1.x's psislw takes a log-likelihood, whose negation is the LOO log-ratio
+            _, khat = xr.DataArray(-lw, dims=["draw"]).azstats.psislw(dim="draw")
+        else:
+            _, khat = az.psislw(lw)
+    return float(np.asarray(khat))
+
+
+def forest_figure(datas: Mapping[str, Any], var_names, figsize: tuple[float, float]):
+    """ArviZ's forest plot of several models' posteriors (one per key of ``datas``, combined
+    chains) as a matplotlib figure, on either ArviZ line."""
+    az = import_arviz()
+    if arviz_major() >= 1:
+        pc = az.plot_forest(dict(datas), var_names=var_names, combined=True,
+                            backend="matplotlib", figure_kwargs={"figsize": figsize})  # fmt: skip
+        pc.add_legend("model")
+        return pc.viz["figure"].item()
+    axes = az.plot_forest(list(datas.values()), model_names=list(datas), var_names=var_names,
+                          combined=True, figsize=figsize)  # fmt: skip
+    return np.ravel(axes)[0].figure

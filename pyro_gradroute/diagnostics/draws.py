@@ -69,6 +69,9 @@ class ImportanceDraws:
         subsampled plate that was evaluated at its full size.
     :ivar enumerated: names of the enumerated model sites that were summed out (they have no
         draws in :attr:`values`).
+    :ivar log_q: ``(S,)`` tensor of the guide's :math:`\log q(z_s)`; the model's
+        :math:`\log p(x, z_s)` is ``log_ratios + log_q`` (ArviZ 1.x's
+        ``loo_approximate_posterior`` takes the two).
     """
 
     log_ratios: torch.Tensor
@@ -81,6 +84,7 @@ class ImportanceDraws:
     predictive_values: dict = field(default_factory=dict, repr=False)
     full_plates: dict = field(default_factory=dict)
     enumerated: set = field(default_factory=set)
+    log_q: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def num_samples(self) -> int:
@@ -184,8 +188,9 @@ def _traces(model, guide, args, kwargs, num_samples: int | None, nesting: int):
 
 
 def _log_ratio_and_log_probs(guide_trace, model_trace, particle_plate):
-    """``log p(x, z) - log q(z)`` per draw (enumerated sites summed out), and the unscaled
-    pointwise ``log p(x_i | z)`` of each observed site (or the reason it has none)."""
+    """``log p(x, z) - log q(z)`` and ``log q(z)`` per draw (enumerated sites summed out), the
+    unscaled pointwise ``log p(x_i | z)`` of each observed site (or the reason it has none), and
+    the enumerated sites."""
     msites = dict(_sample_sites(model_trace))
     mlp = {n: s["fn"].log_prob(s["value"]) for n, s in msites.items()}
     terms, pointwise, enumerated = marginal_terms(msites, mlp, particle_plate)
@@ -196,14 +201,21 @@ def _log_ratio_and_log_probs(guide_trace, model_trace, particle_plate):
             if f.name == particle_plate
         )  # fmt: skip
     log_w = sum(_reduce(t, particle_dim) for t in terms)
+    log_q = 0.0
     for _, s in _sample_sites(guide_trace):
         lq = scale_and_mask(s["fn"].log_prob(s["value"]), s["scale"], s["mask"])
-        log_w = log_w - _reduce(lq, particle_dim)
+        log_q = log_q + _reduce(lq, particle_dim)
+    log_w = log_w - log_q
     log_probs = {}
     for n, s in msites.items():
         if _observed(s):
             log_probs[n] = pointwise.get(n, mlp[n])
-    return log_w, log_probs, enumerated
+    return (
+        log_w,
+        torch.as_tensor(log_q, dtype=log_w.dtype, device=log_w.device),
+        log_probs,
+        enumerated,
+    )
 
 
 def _pointwise(t, num_samples, plain_shape, site):
@@ -215,7 +227,7 @@ def _pointwise(t, num_samples, plain_shape, site):
 def _vectorized(model, guide, args, kwargs, num_samples, nesting, base) -> ImportanceDraws:
     guide_trace, model_trace, made_full = _traces(model, guide, args, kwargs, num_samples,
                                                   nesting)  # fmt: skip
-    log_w, lps, enumerated = _log_ratio_and_log_probs(guide_trace, model_trace, _DRAWS)
+    log_w, log_q, lps, enumerated = _log_ratio_and_log_probs(guide_trace, model_trace, _DRAWS)
     values, log_probs, layout = {}, {}, {}
     for name, site in _sample_sites(model_trace):
         if name not in base.nodes or name in enumerated:
@@ -227,19 +239,22 @@ def _vectorized(model, guide, args, kwargs, num_samples, nesting, base) -> Impor
         else:
             log_probs[name] = _pointwise(lps[name], num_samples, plain["fn"].batch_shape, name)
     log_w = log_w.detach().expand(num_samples).clone()
-    return ImportanceDraws(log_w, values, log_probs, base, True, layout, made_full, enumerated)
+    log_q = log_q.detach().expand(num_samples).clone()
+    return ImportanceDraws(log_w, values, log_probs, base, True, layout, made_full, enumerated,
+                           log_q)  # fmt: skip
 
 
 def _sequential(model, guide, args, kwargs, num_samples, base, progress) -> ImportanceDraws:
     from tqdm.auto import tqdm
 
     nesting = plate_depth(base)
-    log_w, values, log_probs, made_full, enumerated = [], {}, {}, {}, set()
+    log_w, log_q, values, log_probs, made_full, enumerated = [], [], {}, {}, {}, set()
     for _ in tqdm(range(num_samples), desc="guide draws, one at a time", disable=not progress,
                   leave=False):  # fmt: skip
         guide_trace, model_trace, made_full = _traces(model, guide, args, kwargs, None, nesting)
-        lw, lps, enumerated = _log_ratio_and_log_probs(guide_trace, model_trace, None)
+        lw, lq, lps, enumerated = _log_ratio_and_log_probs(guide_trace, model_trace, None)
         log_w.append(lw.detach())
+        log_q.append(lq.detach())
         for name, site in _sample_sites(model_trace):
             if name not in base.nodes or name in enumerated:
                 continue
@@ -257,7 +272,7 @@ def _sequential(model, guide, args, kwargs, num_samples, base, progress) -> Impo
         for k, v in log_probs.items()
     }
     return ImportanceDraws(torch.stack(log_w).reshape(num_samples), stack, lp, base, False,
-                           {}, made_full, enumerated)  # fmt: skip
+                           {}, made_full, enumerated, torch.stack(log_q).reshape(num_samples))  # fmt: skip
 
 
 @torch.no_grad()

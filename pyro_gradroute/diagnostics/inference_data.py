@@ -1,17 +1,28 @@
-r"""``to_inference_data``: a fitted guide as an ArviZ ``InferenceData``.
+r"""``from_pyro_svi``: a fitted guide as ArviZ data (``to_inference_data`` is the same function).
 
-Groups (each with ``chain = 1`` and ``draw = num_samples``):
+The result is an ``xarray.DataTree`` where ArviZ 1.x is installed and an ``arviz.InferenceData``
+under ArviZ 0.23, with the same groups, variables, dimensions and coordinates in both (each
+sample group with ``chain = 1`` and ``draw = num_samples``):
 
 * ``posterior``: the guide's draws :math:`z_s \sim q(z)` of every latent site of the model;
 * ``posterior_predictive``: :math:`\tilde x_s \sim p(x \mid z_s)` for every observed site
   (the model run with its data sites unconditioned by :class:`pyro.infer.Predictive`);
 * ``log_likelihood``: :math:`\log p(x_i \mid z_s)` per draw and per observation ``i`` (per element
-  of the site's plates; event dimensions summed), so ``az.loo`` / ``az.waic`` work;
+  of the site's plates; event dimensions summed), so ``az.loo`` works;
 * ``observed_data``: the observed values;
 * ``sample_stats``: ``log_importance_ratio`` :math:`= \log p(x, z_s) - \log q(z_s)` per draw
   (the input of PSIS, :func:`~pyro_gradroute.diagnostics.psis_khat`). It lives in
   ``sample_stats`` because, like ArviZ's ``lp``, it is one number per draw that describes the
-  draw rather than a model quantity.
+  draw rather than a model quantity. Beside it ``lp`` :math:`= \log p(x, z_s)` and ``log_q``
+  :math:`= \log q(z_s)`, the target and proposal log-densities that ArviZ 1.x's
+  ``az.loo_approximate_posterior(data, log_p=..., log_q=...)`` takes to correct PSIS-LOO for
+  draws from the guide rather than the posterior. The group's attribute ``pareto_k`` is the PSIS
+  :math:`\hat k` of the ratios (:func:`~pyro_gradroute.diagnostics.pareto_khat`).
+
+It follows the layout of ArviZ 1.x's ``from_numpyro_svi`` (the converter for NumPyro's SVI),
+except for the sample dimensions: ``(chain, draw)`` with one chain rather than ``sample``, the
+layout both ArviZ lines read by default, so ``az.summary``, ``az.loo`` and the plots need no
+``sample_dims`` argument.
 
 Dimensions inside a ``pyro.plate`` are named after the plate, with coordinates ``0..size-1``;
 others are named ``"{site}_dim_{k}"``. ``pyro.factor`` sites count in the log-ratio but are not
@@ -42,17 +53,20 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import pyro
 import torch
 from pyro.distributions import Unit
 from pyro.infer import Predictive
 from pyro.poutine.uncondition_messenger import UnconditionMessenger
 from pyro.poutine.util import prune_subsample_sites
 
+from .. import _validation
 from .._compat import is_deterministic_site
 from ._arviz import from_dict
 from .draws import ImportanceDraws, importance_draws
 from .full_data import full_plates
 from .plates import plate_coords, site_dims
+from .psis import pareto_khat
 
 
 def _numpy_draws(t: torch.Tensor):
@@ -96,7 +110,7 @@ def _posterior_predictive(model, draws: ImportanceDraws, observed, args, kwargs)
     return {k: draws.per_draw(out[k], base[k]["value"].shape) for k in observed}
 
 
-def to_inference_data(
+def from_pyro_svi(
     model,
     guide,
     *args,
@@ -109,18 +123,20 @@ def to_inference_data(
     progress: bool = True,
     **kwargs,
 ) -> Any:
-    r"""Draw from a fitted ``guide`` and return an ``arviz.InferenceData`` (see module docs).
+    r"""Draw from a fitted ``guide`` and return ArviZ data: a ``DataTree`` on ArviZ 1.x, an
+    ``InferenceData`` on ArviZ 0.23 (see the module docs). ``to_inference_data`` is this function.
 
     :param model: the Pyro model the guide was fitted to.
     :param guide: the guide (any callable with the model's latent sites, e.g. an AutoGuide).
     :param args: the model's positional arguments (the data it conditions on).
-    :param num_samples: number of guide draws :math:`S`.
+    :param num_samples: number of guide draws :math:`S` (an integer, at least 2).
     :param max_plate_nesting: the model's plate depth (read from a trace when ``None``).
     :param posterior_predictive: set ``False`` to skip the ``posterior_predictive`` group.
     :param coords: coordinates that replace or add to the plate-derived ones,
         e.g. ``{"school": names}``.
     :param dims: dimension names per variable that replace the derived ones,
-        e.g. ``{"w": ["feature"]}`` (listed in value order, batch then event dimensions).
+        e.g. ``{"w": ["feature"]}``: one name per dimension of the site's value (batch then
+        event dimensions), else a ``ValueError`` naming the entry.
     :param vectorize: ``None`` (default): draw in one vectorized pass, falling back to one
         draw at a time (with a warning) for a model that does not vectorize; ``False``: one at
         a time; ``True``: vectorized or an error (see
@@ -132,29 +148,32 @@ def to_inference_data(
     dimensions named after their plates, with coordinates.
 
     The draws are independent (one ``chain`` of :math:`S` i.i.d. guide draws), not a Markov
-    chain: summarize them with ``az.summary(idata, kind="stats")`` (mean, sd, HDI). Plain
-    ``az.summary`` adds the MCMC columns (ESS, MCSE, ``r_hat``, NaN with one chain) and logs
-    a shape warning about the single chain; they do not apply to guide draws.
+    chain: summarize them with ``az.summary(idata, kind="stats")`` (mean, sd and an interval:
+    the HDI on ArviZ 0.23, the ETI on 1.x). Plain ``az.summary`` adds the MCMC columns (ESS,
+    MCSE, ``r_hat``: NaN with one chain; ArviZ 0.23 also logs a one-chain shape warning); they do
+    not apply to guide draws.
 
     Example::
 
         >>> import torch, pyro, pyro.distributions as dist, arviz as az
         >>> from pyro.infer.autoguide import AutoNormal
         >>> pyro.clear_param_store()
-        >>> from pyro_gradroute.diagnostics import to_inference_data
+        >>> from pyro_gradroute.diagnostics import from_pyro_svi
         >>> def model(x):
         ...     mu = pyro.sample("mu", dist.Normal(0.0, 1.0))
         ...     with pyro.plate("data", len(x)):
         ...         pyro.sample("x", dist.Normal(mu, 1.0), obs=x)
         >>> x = torch.randn(20)
         >>> guide = AutoNormal(model)
-        >>> idata = to_inference_data(model, guide, x, num_samples=200)
+        >>> idata = from_pyro_svi(model, guide, x, num_samples=200)
         >>> idata.log_likelihood["x"].dims
         ('chain', 'draw', 'data')
         >>> loo = az.loo(idata)
-        >>> list(az.summary(idata, kind="stats").columns)
-        ['mean', 'sd', 'hdi_3%', 'hdi_97%']
+        >>> list(az.summary(idata, kind="stats").columns)[:2]
+        ['mean', 'sd']
     """
+    where = "from_pyro_svi"
+    num_samples = _validation.check_int(num_samples, "num_samples", where, minimum=2)
     draws = importance_draws(
         model,
         guide,
@@ -174,21 +193,47 @@ def to_inference_data(
         "observed_data": {
             k: base.nodes[k]["value"].detach().cpu().double().numpy() for k in observed
         },
-        "sample_stats": {"log_importance_ratio": _numpy_draws(draws.log_ratios)},
+        "sample_stats": {
+            "log_importance_ratio": _numpy_draws(draws.log_ratios),
+            "lp": _numpy_draws(draws.log_ratios + draws.log_q),
+            "log_q": _numpy_draws(draws.log_q),
+        },
     }
     if posterior_predictive and observed:
         pp = _posterior_predictive(model, draws, observed, args, kwargs)
         groups["posterior_predictive"] = {k: _numpy_draws(v) for k, v in pp.items()}
     all_dims = {k: site_dims(base.nodes[k]) for k in latent + observed}
-    all_dims.update({k: list(v) for k, v in (dims or {}).items()})
+    all_dims.update(_checked_dims(dims, all_dims, where))
     all_coords: dict[str, Sequence] = dict(plate_coords(base))
     all_coords.update(coords or {})
-    idata = from_dict(groups, coords=all_coords, dims=all_dims)
-    attrs = _provenance(draws)
-    for group in ("log_likelihood", "sample_stats"):
-        if group in idata.groups():
-            idata[group].attrs.update(attrs)
-    return idata
+    library = {"inference_library": "pyro", "inference_library_version": pyro.__version__}
+    provenance = _provenance(draws)
+    attrs = {group: dict(library) for group in groups}
+    attrs["log_likelihood"].update(provenance)
+    attrs["sample_stats"].update(provenance)
+    try:
+        attrs["sample_stats"]["pareto_k"] = float(pareto_khat(draws.log_ratios))
+    except ValueError:  # NaN ratios or fewer than 2 finite ones: no k-hat (psis_khat says why)
+        pass
+    return from_dict(groups, coords=all_coords, dims=all_dims, attrs=attrs)
+
+
+to_inference_data = from_pyro_svi
+
+
+def _checked_dims(dims, derived: dict[str, list[str]], where: str) -> dict[str, list[str]]:
+    """The user's ``dims``, each entry naming as many dimensions as its site's value has."""
+    out = {}
+    for name, names in (dims or {}).items():
+        names = [names] if isinstance(names, str) else list(names)
+        if name in derived and len(names) != len(derived[name]):
+            raise ValueError(
+                f"{where}: dims[{name!r}] names {len(names)} dimension(s) {names}, but site "
+                f"{name!r} has {len(derived[name])} (besides chain and draw), derived as "
+                f"{derived[name]}: give one name per dimension, batch then event dimensions"
+            )
+        out[name] = names
+    return out
 
 
 def _provenance(draws: ImportanceDraws) -> dict[str, str]:

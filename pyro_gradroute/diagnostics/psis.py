@@ -69,7 +69,9 @@ def _pyro_khat(lw: np.ndarray) -> float:
 def pareto_khat(log_ratios, rtol: float = 1e-6) -> PSISResult:
     r"""PSIS :math:`\hat k` of given importance log-ratios :math:`\log p(x,z_s) - \log q(z_s)`.
 
-    Uses ArviZ's ``psislw`` (Pyro's generalized-Pareto fit where this ArviZ has none).
+    Uses ArviZ's PSIS (``az.psislw`` on ArviZ 0.23, ``.azstats.psislw`` on 1.x); Pyro's
+    generalized-Pareto fit (the 5 largest ratios at least) for fewer than 25 draws on ArviZ 1.x,
+    whose PSIS needs a tail of 5 draws out of a fifth of them.
     Log-ratios that are all equal, up to ``rtol * (1 + max |log r|)`` (float rounding), give
     ``-inf`` ("good"): PSIS itself would report ``inf`` for that perfect case.
 
