@@ -173,5 +173,9 @@ def test_no_typed_figures_in_prose(path):
     """Measured figures (decimals, percentages, ratios, standard errors) come from results files."""
     for line in prose(path):
         text = re.sub(r"`[^`]*`", "", line)  # code spans: names, arguments, commands
-        text = re.sub(r"\b(Python|ArviZ|torch|Pyro)( \d+(\.\d+)*( to| or|,| /)?)+", "", text)
+        text = re.sub(
+            r"\b(Python|ArviZ|torch|Pyro)( \d+(\.\d+)*(-\d+(\.\d+)*)?( to| or| and|,| /)?)+",
+            "",
+            text,
+        )
         assert not FIGURE.search(text), f"{path.name}: {line}"
