@@ -31,7 +31,8 @@ import torch
 from pyro.poutine.messenger import Messenger
 
 from .._compat import handler_stack
-from ..poutine.stick_the_landing_messenger import StickTheLandingMessenger, STLPolicy
+from ..poutine.stick_the_landing_messenger import StickTheLandingMessenger
+from ..poutine.stl_policy import STLPolicy
 
 
 @dataclass
