@@ -22,7 +22,6 @@ def uses_pathwise(site) -> bool:
         False
     """
     fn, infer = site["fn"], site["infer"]
-    fn = getattr(fn, "_stl_base", fn)  # the handler's wrapper: its base distribution's
     stl = infer.get("stl", None)
     has_rsample = getattr(fn, "has_rsample", False)
     if stl is True and not has_rsample:
