@@ -18,10 +18,11 @@ from pyro import poutine
 from pyro.infer import Trace_ELBO as PyroTrace_ELBO
 from torch.distributions import constraints
 
-from pyro_gradroute.infer import Trace_ELBO, TraceSTL_ELBO
+from pyro_gradroute.infer import TraceSTL_ELBO
 from pyro_gradroute.poutine import stick_the_landing
 from tests.conformance import cases as C
 from tests.conformance import checks as K
+from tests.infer.general_split import GeneralSplitSTL
 
 CASE_IDS = [c.name for c in C.CASES]
 
@@ -41,26 +42,9 @@ def _stl(case):
     return TraceSTL_ELBO(num_particles=n, max_plate_nesting=case.max_plate_nesting)
 
 
-class _GeneralSplit(Trace_ELBO):
-    """The general split (relays on every sample, one batch per guide run): an independent
-    sticking-the-landing reference for the handler's per-site mechanisms."""
-
-    _splits = True
-
-    def _needs_split(self, site) -> bool:
-        from pyro_gradroute.poutine.stl_policy import uses_pathwise
-
-        return uses_pathwise({"name": site.name, "fn": site.fn, "infer": site.infer})
-
-    _pathwise = _needs_split
-
-    def _split_fallback(self, site, error) -> bool:
-        return True
-
-
 def _general(case):
     n = 1 if case.messenger else 2
-    return _GeneralSplit(num_particles=n, max_plate_nesting=case.max_plate_nesting)
+    return GeneralSplitSTL(num_particles=n, max_plate_nesting=case.max_plate_nesting)
 
 
 @pytest.mark.parametrize("case", C.CASES, ids=CASE_IDS)
@@ -310,7 +294,7 @@ def test_conditional_guides_default_path_equals_general_split(kind):
     pyro.clear_param_store()
     guide()
     names = ["a", "b", "s"]
-    fast, general = TraceSTL_ELBO(), _GeneralSplit()
+    fast, general = TraceSTL_ELBO(), GeneralSplitSTL()
     msngr = stick_the_landing()
     handler = msngr(guide)
     for seed in range(3):
