@@ -145,8 +145,16 @@ def get_split_importance_trace(
     if context is not None:  # the parts are computed: the sites hold their base distributions
         for site in guide_trace.nodes.values():
             if site["type"] == "sample":
-                if type(site["fn"]) is PathwiseDistribution:
-                    site["fn"] = site["fn"].base_dist
+                fn = site["fn"]
+                if type(fn) is not PathwiseDistribution:
+                    continue
+                if fn._site is not None and fn._site.owner is not None:
+                    # (a private shim for trace_adaptive_elbo._filled_score: a structured
+                    # guide's Delta stays wrapped, so that it is no Delta there and its score
+                    # part is its full density less its pathwise one)
+                    fn._site = None
+                else:
+                    site["fn"] = fn.base_dist
     if validate:
         _check_finite(guide_trace, "guide")
     model_trace.compute_log_prob()
