@@ -22,10 +22,14 @@ from pyro.infer.util import is_validation_enabled
 from pyro.poutine.util import prune_subsample_sites
 from pyro.util import check_if_enumerated, check_model_guide_match, check_site_shape
 
+from ..distributions.detached import is_delta
 from ..poutine.gated_distribution import unwrap_gates
 from ..poutine.split_distribution import SplitBatch, SplitDistribution
 from ..poutine.split_messenger import SplitMessenger
 from ..poutine.stick_the_landing_messenger import PathwiseDistribution
+
+#: the key of a guide trace site under which the handler's record of it is kept
+PATHWISE = "pathwise_site"
 
 
 def _check_finite(trace: poutine.Trace, role: str) -> None:
@@ -64,17 +68,17 @@ def refuse_model_enumeration(elbo, model_trace, guide_trace) -> None:
 def site_parts(site):
     """``(full, pathwise)`` :class:`~pyro.distributions.score_parts.ScoreParts` of a guide site, scaled and masked.
 
-    ``full`` is ``site["score_parts"]`` (Pyro's: ``log_prob`` and ``entropy_term``
-    scaled and masked, ``score_function`` neither); ``pathwise`` holds the same parts
-    with the parameters stopped (gradients reach the sample and the upstream samples
-    only), scaled and masked alike.
+    A site the estimator's handler took (its ``score_parts`` are the pathwise ones):
+    ``(None, site["score_parts"])``. Any other: ``site["score_parts"]`` and the same parts
+    with every gradient stopped.
     """
-    fn = site["fn"]
-    if not isinstance(fn, SplitDistribution):
-        full = site["score_parts"]
-        return full, type(full)(*(t.detach() if torch.is_tensor(t) else t for t in full))
-    _, path = fn.split_parts(site["value"])
-    return site["score_parts"], path.scale_and_mask(site["scale"], site["mask"])
+    full = site["score_parts"]
+    if site.get(PATHWISE) is not None:
+        return None, full
+    if isinstance(site["fn"], SplitDistribution):
+        _, path = site["fn"].split_parts(site["value"])
+        return full, path.scale_and_mask(site["scale"], site["mask"])
+    return full, type(full)(*(t.detach() if torch.is_tensor(t) else t for t in full))
 
 
 def scaled(site, t):
@@ -148,7 +152,8 @@ def get_split_importance_trace(
                 fn = site["fn"]
                 if type(fn) is not PathwiseDistribution:
                     continue
-                if fn._site is not None and fn._site.owner is not None:
+                site[PATHWISE] = fn._site  # the site as the handler saw it (upstream, owner, ...)
+                if fn._site is not None and fn._site.owner is not None and is_delta(fn.base_dist):
                     # (a private shim for trace_adaptive_elbo._filled_score: a structured
                     # guide's Delta stays wrapped, so that it is no Delta there and its score
                     # part is its full density less its pathwise one)

@@ -254,13 +254,23 @@ def _stop(t):
 class RunSite:
     """One guide site of a run, as :func:`evaluate_run` reads it."""
 
-    __slots__ = ("name", "fn", "value", "index", "owner", "auxiliary", "preimage", "parts", "score")
+    __slots__ = (
+        "name", "fn", "value", "index", "earlier", "owner", "auxiliary", "preimage", "parts",
+        "score", "point",
+    )  # fmt: skip
 
-    def __init__(self, name, fn, value, index, owner=None, auxiliary=False, preimage=None):
+    def __init__(self, name, fn, value, index, owner=None, auxiliary=False, preimage=None, earlier=()):
         self.name, self.fn, self.value, self.index = name, fn, value, index
         self.owner, self.auxiliary, self.preimage = owner, auxiliary, preimage
+        self.earlier = earlier  # the run's samples (those before this one: ``upstream``)
         self.parts = None  # the pathwise parts (None: the ordinary ones)
         self.score = None  # the split node's evaluated density (what it reads)
+        self.point = False  # an AutoStructured "delta" conditional: no density of its own
+
+    @property
+    def upstream(self) -> list:
+        """The samples drawn before this one (with an autograd node), in draw order."""
+        return self.earlier[: self.index]
 
 
 class _Record(NamedTuple):
@@ -335,9 +345,11 @@ def _structured(owner, sites: list[RunSite]) -> None:
     except StructuredNotSupported as e:
         raise ValueError(str(e)) from None
     by_name = {s.name: s for s in sites}
-    for name, (lp, _point) in parts.items():
+    for name, (lp, point) in parts.items():
+        site = by_name[name]
+        site.owner, site.point = owner, point
         if lp is not None:
-            by_name[name].parts = PathwiseParts(lp, 0, lp)
+            site.parts = PathwiseParts(lp, 0, lp)
 
 
 def _check_auxiliary_links(sites: list[RunSite], items, earlier, nodes) -> None:

@@ -230,7 +230,7 @@ class StickTheLandingMessenger(Messenger):
         if type(fn) is not PathwiseDistribution or fn._run is not run:
             return
         value, name, base = msg["value"], msg["name"], fn.base_dist
-        if not uses_pathwise(msg):  # the ordinary parts (score-function sites: Pyro's treatment)
+        if not self._policy.uses_pathwise(msg):  # the ordinary parts (score-function sites: Pyro's treatment)
             if outer is fn:
                 msg["fn"] = base
             run.add(value)
@@ -250,9 +250,8 @@ class StickTheLandingMessenger(Messenger):
                 owner = calling_structured_guide()
         else:
             run.changed = True  # a random draw
-        site = RunSite(
-            name, base, value, len(run.earlier), owner, bool(msg["infer"].get("is_auxiliary")), fn._pre
-        )
+        aux = bool(msg["infer"].get("is_auxiliary"))
+        site = RunSite(name, base, value, len(run.earlier), owner, aux, fn._pre, run.earlier)
         site.parts = _PENDING
         fn._site = site
         run.sites.append(site)
