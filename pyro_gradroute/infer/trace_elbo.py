@@ -163,9 +163,6 @@ class TraceSTL_ELBO(Trace_ELBO):
 
     def __init__(self, *args, trace_steps: int = 0, **kwargs):
         super().__init__(*args, **kwargs)
-
-    def __init__(self, *args, trace_steps: int = 0, **kwargs):
-        super().__init__(*args, **kwargs)
         n = self.num_particles
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(

@@ -134,7 +134,11 @@ def get_split_importance_trace(
                     continue
                 site[PATHWISE] = fn._site  # the site as the handler saw it (upstream, owner, ...)
                 rec = fn._site
-                if rec is not None and isinstance(rec.owner, AutoGaussian) and delta_base(fn.base_dist):
+                if (
+                    rec is not None
+                    and isinstance(rec.owner, AutoGaussian)
+                    and delta_base(fn.base_dist)
+                ):
                     # (a private shim for trace_adaptive_elbo._filled_score, reproducing
                     # its old control variate on the conformance cells: an AutoGaussian's
                     # Delta stays wrapped, so that it is no Delta there and its score part

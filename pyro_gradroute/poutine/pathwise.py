@@ -244,7 +244,11 @@ def _traced(name: str, fn, value: torch.Tensor, earlier: list) -> ScoreParts:
             return f
         return f - s + s.detach()
 
-    return PathwiseParts(path(full.log_prob, score.log_prob), full.score_function, path(full.entropy_term, score.entropy_term))
+    return PathwiseParts(
+        path(full.log_prob, score.log_prob),
+        full.score_function,
+        path(full.entropy_term, score.entropy_term),
+    )
 
 
 def _stop(t):
@@ -259,7 +263,9 @@ class RunSite:
         "score", "point",
     )  # fmt: skip
 
-    def __init__(self, name, fn, value, index, owner=None, auxiliary=False, preimage=None, earlier=()):
+    def __init__(
+        self, name, fn, value, index, owner=None, auxiliary=False, preimage=None, earlier=()
+    ):
         self.name, self.fn, self.value, self.index = name, fn, value, index
         self.owner, self.auxiliary, self.preimage = owner, auxiliary, preimage
         self.earlier = earlier  # the run's samples (those before this one: ``upstream``)
@@ -364,7 +370,9 @@ def _check_auxiliary_links(sites: list[RunSite], items, earlier, nodes) -> None:
         and delta_base(s.fn) is not None
         and torch.is_tensor(s.value)
         and s.value.grad_fn in nodes
-        and reaches_leaf_directly(s.value, stop_nodes={n: i for n, i in nodes.items() if i < s.index})
+        and reaches_leaf_directly(
+            s.value, stop_nodes={n: i for n, i in nodes.items() if i < s.index}
+        )
     }
     if not aux:
         return

@@ -55,7 +55,9 @@ class PathwiseDistribution(WrappedDistribution):
         return self
 
     def __call__(self, sample_shape=_EMPTY):
-        return self.rsample(sample_shape) if self.base_dist.has_rsample else self.sample(sample_shape)
+        return (
+            self.rsample(sample_shape) if self.base_dist.has_rsample else self.sample(sample_shape)
+        )
 
     def rsample(self, sample_shape=_EMPTY):
         base = self.base_dist
@@ -190,7 +192,9 @@ class StickTheLandingMessenger(Messenger):
             )
         super().__init__()
         self._owned = _policy is not None  # an estimator's own handler: it counts the steps
-        self._policy = _policy if _policy is not None else STLPolicy("sticking the landing", trace_steps)
+        self._policy = (
+            _policy if _policy is not None else STLPolicy("sticking the landing", trace_steps)
+        )
         self._run: _Run | None = None
         self._warned = False
         self._drawn: dict[int, weakref.ref] = {}  # id -> sample this handler drew
@@ -230,14 +234,18 @@ class StickTheLandingMessenger(Messenger):
         if type(fn) is not PathwiseDistribution or fn._run is not run:
             return
         value, name, base = msg["value"], msg["name"], fn.base_dist
-        if not self._policy.uses_pathwise(msg):  # the ordinary parts (score-function sites: Pyro's treatment)
+        if not self._policy.uses_pathwise(
+            msg
+        ):  # the ordinary parts (score-function sites: Pyro's treatment)
             if outer is fn:
                 msg["fn"] = base
             run.add(value)
             return
         if value is fn._value:
             self._remember(value)
-        elif not self._drew_before(value):  # (a replay of an earlier run's draw: sequential enumeration)
+        elif not self._drew_before(
+            value
+        ):  # (a replay of an earlier run's draw: sequential enumeration)
             if torch.is_tensor(value) and not value.requires_grad and not param_tensors(base):
                 run.add(value)  # nothing to stop: another handler's value passes through
                 return

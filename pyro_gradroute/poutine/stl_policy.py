@@ -134,9 +134,7 @@ def _valid_in(cls) -> bool:
     is refused.
     """
     allowed = _allowed_elbos()
-    base = next(
-        (c for c in cls.__mro__ if c in allowed or vars(c).get("_stl_safe") is True), None
-    )
+    base = next((c for c in cls.__mro__ if c in allowed or vars(c).get("_stl_safe") is True), None)
     if base is None:
         return False
     for name in _GRADIENT_METHODS:

@@ -62,11 +62,15 @@ def import_graph() -> dict[str, set[str]]:
                 else:
                     mod = node.module or ""
                 # a name that is a submodule is an import of that submodule
-                targets = [f"{mod}.{a.name}" if f"{mod}.{a.name}" in modules else mod for a in node.names]
+                targets = [
+                    f"{mod}.{a.name}" if f"{mod}.{a.name}" in modules else mod for a in node.names
+                ]
             else:
                 continue
             for t in targets:
-                while t and t not in modules:  # import a.b.c of a package module: its nearest module
+                while (
+                    t and t not in modules
+                ):  # import a.b.c of a package module: its nearest module
                     t = t.rpartition(".")[0]
                 if t and t != name and t.startswith("pyro_gradroute"):
                     deps.add(t)
@@ -143,4 +147,7 @@ def test_the_import_graph_sees_function_local_imports():
     """(The check above would miss a lazy import if the graph did not read function bodies.)"""
     graph = import_graph()
     # diagnostics/gradients.py imports the handler at module level; app/models lazily
-    assert any(d.startswith("pyro_gradroute.poutine") for d in graph["pyro_gradroute.diagnostics.gradients"])
+    assert any(
+        d.startswith("pyro_gradroute.poutine")
+        for d in graph["pyro_gradroute.diagnostics.gradients"]
+    )

@@ -23,7 +23,9 @@ def make_model(calls: list, kind: str):
         if kind == "straight-through":  # (the guide's value is one-hot)
             pyro.sample("c", dist.OneHotCategorical(logits=torch.zeros(3)))
         else:
-            pyro.sample("c", dist.RelaxedOneHotCategorical(torch.tensor(0.5), logits=torch.zeros(3)))
+            pyro.sample(
+                "c", dist.RelaxedOneHotCategorical(torch.tensor(0.5), logits=torch.zeros(3))
+            )
 
     return model
 
