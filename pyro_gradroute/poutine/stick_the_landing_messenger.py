@@ -14,9 +14,10 @@ from .._compat import Subsample, calling_elbo
 from ..distributions.detached import delta_base, param_tensors
 from ..distributions.split import preimage_rsample
 from ..distributions.structured import calling_structured_guide
+from ..routing import reaches_leaf_directly
 from ._wrapped import _EMPTY, WrappedDistribution
 from .gated_distribution import GatedDistribution
-from .pathwise import RunSite, evaluate_run
+from .pathwise import RunSite, _delta_error, evaluate_run
 from .stl_policy import STLPolicy, check_elbo, uses_pathwise
 
 __all__ = ["StickTheLandingMessenger", "stick_the_landing"]
@@ -252,18 +253,25 @@ class StickTheLandingMessenger(Messenger):
             raise _not_drawn(name)
         d = delta_base(base)
         owner = None
-        if d is not None:
-            ld = d.log_density
-            if torch.is_tensor(ld) and ld.requires_grad:
+        if d is not None:  # no random draw: its ordinary parts, unless its density reads
+            ld = d.log_density  # parameters directly (a structured guide's map, or an error)
+            if (
+                torch.is_tensor(ld)
+                and ld.requires_grad
+                and reaches_leaf_directly(ld, stop_nodes=run.nodes)
+            ):
                 owner = calling_structured_guide()
+                if owner is None:
+                    raise _delta_error(name)
         else:
             run.changed = True  # a random draw
         aux = bool(msg["infer"].get("is_auxiliary"))
         site = RunSite(name, base, value, len(run.earlier), owner, aux, fn._pre, run.earlier)
-        site.parts = _PENDING
         fn._site = site
         run.sites.append(site)
-        run.pending.append(site)
+        if d is None or owner is not None:
+            site.parts = _PENDING
+            run.pending.append(site)
         run.add(value)
 
     def _remember(self, value: torch.Tensor) -> None:
