@@ -18,10 +18,12 @@ import contextlib
 import torch
 from pyro import poutine
 from pyro.distributions.util import scale_and_mask
+from pyro.infer.autoguide import AutoGaussian
 from pyro.infer.util import is_validation_enabled
 from pyro.poutine.util import prune_subsample_sites
 from pyro.util import check_if_enumerated, check_model_guide_match, check_site_shape
 
+from ..distributions.detached import delta_base
 from ..poutine.gated_distribution import unwrap_gates
 from ..poutine.split_distribution import SplitBatch, SplitDistribution
 from ..poutine.split_messenger import SplitMessenger
@@ -148,10 +150,16 @@ def get_split_importance_trace(
                 fn = site["fn"]
                 if type(fn) is not PathwiseDistribution:
                     continue
-                if fn._site is not None and fn._site.owner is not None:
-                    # (a private shim for trace_adaptive_elbo._filled_score: a structured
-                    # guide's Delta stays wrapped, so that it is no Delta there and its score
-                    # part is its full density less its pathwise one)
+                rec = fn._site
+                if (
+                    rec is not None
+                    and isinstance(rec.owner, AutoGaussian)
+                    and delta_base(fn.base_dist) is not None
+                ):
+                    # (a private shim for trace_adaptive_elbo._filled_score, reproducing
+                    # its old control variate on the conformance matrix: an AutoGaussian's
+                    # Delta stays wrapped, so that it is no Delta there and its score part
+                    # is its full density less its pathwise one)
                     fn._site = None
                 else:
                     site["fn"] = fn.base_dist
