@@ -36,7 +36,6 @@ NO_EXAMPLES = {
     "pyro_gradroute.app.plots",
     "pyro_gradroute.poutine",
     "pyro_gradroute.poutine._wrapped",  # internal: the handlers' delegating base
-    "pyro_gradroute.poutine.split_distribution",  # a private shim (nothing creates one)
 }
 
 
