@@ -18,16 +18,30 @@ import contextlib
 import torch
 from pyro import poutine
 from pyro.distributions.util import scale_and_mask
-from pyro.infer.autoguide import AutoGaussian
 from pyro.infer.util import is_validation_enabled
 from pyro.poutine.util import prune_subsample_sites
 from pyro.util import check_if_enumerated, check_model_guide_match, check_site_shape
 
-from ..distributions.detached import delta_base
+from ..poutine._wrapped import WrappedDistribution
 from ..poutine.gated_distribution import unwrap_gates
 from ..poutine.split_distribution import SplitBatch, SplitDistribution
 from ..poutine.split_messenger import SplitMessenger
 from ..poutine.stick_the_landing_messenger import PathwiseDistribution
+
+
+class _StructuredSite(WrappedDistribution):
+    """(The adaptive shim above.)"""
+
+    _own = ("base_dist", "_path")
+
+    def __init__(self, base_dist, path):
+        self.base_dist, self._path = base_dist, path
+        super().__init__(base_dist.batch_shape, base_dist.event_shape, validate_args=False)
+
+    def log_prob(self, value, *args, **kwargs):
+        lp = self.base_dist.log_prob(value, *args, **kwargs)
+        path = None if self._path is None else self._path.log_prob
+        return lp if not torch.is_tensor(path) else lp + 0.0 * path
 
 
 def _check_finite(trace: poutine.Trace, role: str) -> None:
@@ -151,16 +165,12 @@ def get_split_importance_trace(
                 if type(fn) is not PathwiseDistribution:
                     continue
                 rec = fn._site
-                if (
-                    rec is not None
-                    and isinstance(rec.owner, AutoGaussian)
-                    and delta_base(fn.base_dist) is not None
-                ):
-                    # (a private shim for trace_adaptive_elbo._filled_score, reproducing
-                    # its old control variate on the conformance matrix: an AutoGaussian's
-                    # Delta stays wrapped, so that it is no Delta there and its score part
-                    # is its full density less its pathwise one)
-                    fn._site = None
+                if rec is not None and rec.owner is not None:
+                    # (a private shim for trace_adaptive_elbo._filled_score, which reads a
+                    # site's score part as its full density less its pathwise one: a
+                    # structured guide's site is no Delta there, and its full density
+                    # carries the graph even where its value reads no parameter)
+                    site["fn"] = _StructuredSite(fn.base_dist, rec.parts)
                 else:
                     site["fn"] = fn.base_dist
     if validate:
