@@ -334,7 +334,9 @@ def _split(items, earlier, fallback) -> None:
         i = getattr(e, "split_index", None)
         if i is None:
             raise
-        raise ValueError(f"Error while computing log_prob at site '{items[i][0].name}':\n{e}") from e
+        raise ValueError(
+            f"Error while computing log_prob at site '{items[i][0].name}':\n{e}"
+        ) from e
     for (s, _), (full, path, score) in zip(items, out):
         if score is None:  # fallen back: the ordinary parts
             s.parts = None
