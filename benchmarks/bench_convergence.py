@@ -35,9 +35,7 @@ with N 30% of the steps: ``Trace_ELBO``'s gradient first, then STL), ``adaptive`
 (``TraceAdaptiveSTL_ELBO()`` with its defaults; for the mixture ``TraceEnumAdaptiveSTL_ELBO``,
 the same estimator over ``TraceEnum_ELBO``), ``switch`` (the measured switch:
 ``TraceAdaptiveSTL_ELBO(mix_gain=math.inf)``, ``Trace_ELBO`` first, STL once its measured second
-moment is the lower, never a mix), ``stl-switch`` (Pyro's ``Trace_ELBO``, ``TraceEnum_ELBO`` for
-the mixture, with ``stick_the_landing(guide, switch="measured")``: the handler's measured
-switch), and for the VAE ``iwae`` (Pyro's
+moment is the lower, never a mix), and for the VAE ``iwae`` (Pyro's
 ``RenyiELBO(alpha=0, num_particles=8)``) and ``dreg`` (``TraceDReG_ELBO(num_particles=8)``).
 
 Reported per model x estimator, over the seeds:
@@ -323,12 +321,6 @@ def _switch(p: Problem):
     return TraceAdaptiveSTL_ELBO(mix_gain=math.inf), p.guide
 
 
-def _handler_switch(p: Problem):
-    """Pyro's own ``Trace_ELBO`` (``TraceEnum_ELBO``) with ``stick_the_landing(guide, switch="measured")``."""
-    elbo = _trace(p)[0]
-    return elbo, stick_the_landing(p.guide, switch="measured")
-
-
 #: name -> (problem -> (step, total) -> (elbo, guide)); models a row applies to (None: all)
 ESTIMATORS: dict[str, tuple[Callable, set | None]] = {
     "trace": (_always(_trace), None),
@@ -336,7 +328,6 @@ ESTIMATORS: dict[str, tuple[Callable, set | None]] = {
     "trace->stl": (_trace_steps(0.3), None),
     "adaptive": (_always(_adaptive), None),
     "switch": (_always(_switch), None),
-    "stl-switch": (_always(_handler_switch), None),
     "iwae": (
         _always(
             lambda p: (

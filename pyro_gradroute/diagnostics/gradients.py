@@ -32,7 +32,8 @@ from pyro.poutine.messenger import Messenger
 
 from .._compat import handler_stack
 from .._validation import check_elbo, check_int, check_mapping
-from ..poutine.stick_the_landing_messenger import StickTheLandingMessenger, STLPolicy
+from ..poutine.stick_the_landing_messenger import StickTheLandingMessenger
+from ..poutine.stl_policy import STLPolicy
 
 
 @dataclass

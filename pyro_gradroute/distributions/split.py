@@ -338,9 +338,10 @@ def _check_independent(ups: list[torch.Tensor]) -> None:
                 "split_log_probs: an upstream tensor depends on another one (shape "
                 f"{tuple(u.shape)} is computed from shape {tuple(below[0].shape)}), so the "
                 "pathwise product with respect to both would count the path through the "
-                "later one twice. Pass only the samples the distribution reads directly, "
-                "drawn through pyro_gradroute.distributions.Relay cut points, or use the "
-                "package's ELBOs, which insert them."
+                "later one twice. Pass only the samples the distribution reads directly and "
+                "that are not computed from each other, or use the package's ELBOs or "
+                "pyro_gradroute.poutine.stick_the_landing, which stop the gradient below each "
+                "sample while that product is taken."
             )
 
 
@@ -450,19 +451,28 @@ def _cached(t) -> bool:
 
 
 def _transformed_log_prob(fn: TransformedDistribution, x: torch.Tensor) -> torch.Tensor:
-    """``fn.log_prob(T(x))`` computed forward from the pre-image ``x`` (no inverse)."""
+    """``fn.log_prob(T(x))`` computed forward from the pre-image ``x`` (no inverse).
+
+    The event dimensions follow torch's ``TransformedDistribution.log_prob``: walking the
+    transforms from the output, each changes them by ``domain.event_dim -
+    codomain.event_dim`` (``CorrCholeskyTransform`` maps a vector to a matrix,
+    ``ReshapeTransform`` changes the event's rank), and each Jacobian term is summed over
+    the event dimensions left of its own domain's.
+    """
     event_dim = len(fn.event_shape)
+    sums = []
+    for t in reversed(fn.transforms):
+        event_dim += t.domain.event_dim - t.codomain.event_dim
+        sums.append(event_dim - t.domain.event_dim)
     log_prob = 0.0
     y = x
-    for t in fn.transforms:
+    for t, n in zip(fn.transforms, reversed(sums)):
         t = t.with_cache(0)
         y_next = t(y)
-        ladj = t.log_abs_det_jacobian(y, y_next)
-        log_prob = log_prob - sum_rightmost(ladj, event_dim - t.codomain.event_dim)
+        log_prob = log_prob - sum_rightmost(t.log_abs_det_jacobian(y, y_next), n)
         y = y_next
-    base_event = len(fn.base_dist.event_shape)
     base_lp = fn.base_dist.log_prob(x)
-    return log_prob + sum_rightmost(base_lp, event_dim - base_event)
+    return log_prob + sum_rightmost(base_lp, event_dim - len(fn.base_dist.event_shape))
 
 
 def _evaluate(fn: Distribution, value: torch.Tensor, preimage, grad_mode: bool, raw=None):

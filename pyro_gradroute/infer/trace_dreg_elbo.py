@@ -13,7 +13,7 @@ from ..distributions.detached import is_delta
 from ..poutine.split_distribution import SplitDistribution, check_delta_density
 from ..routing import reaches_leaf_directly
 from .elbo import EXTRA, RoutedELBO, Terms, _joint_blocks, add_term, collect_blocks
-from .traces import get_split_importance_trace, site_parts
+from .traces import get_split_importance_trace, refuse_model_enumeration, site_parts
 
 
 def _gate(guide_trace: Trace) -> Trace:
@@ -246,7 +246,7 @@ class TraceDReG_ELBO(RoutedELBO):
         return 1  # the bound already combines the particles
 
     def _get_trace(self, model, guide, args, kwargs):
-        return get_split_importance_trace(
+        model_trace, guide_trace = get_split_importance_trace(
             self.max_plate_nesting,
             model,
             guide,
@@ -254,6 +254,8 @@ class TraceDReG_ELBO(RoutedELBO):
             kwargs,
             replay_values=_gate if self.num_particles > 1 else None,
         )  # every site split; one that cannot be split raises (DReG needs its pathwise part)
+        refuse_model_enumeration(self, model_trace, guide_trace)
+        return model_trace, guide_trace
 
     def _get_traces(self, model, guide, args, kwargs):
         if not self.vectorize_particles:

@@ -5,7 +5,10 @@ from __future__ import annotations
 from pyro.distributions.util import is_identically_zero
 from pyro.infer.util import MultiFrameTensor, get_plate_stacks, torch_item
 
+from ..poutine.stick_the_landing_messenger import StickTheLandingMessenger
+from ..poutine.stl_policy import STLPolicy
 from .elbo import RoutedELBO, Terms, add_term
+from .traces import get_split_importance_trace, refuse_model_enumeration
 
 
 class Trace_ELBO(RoutedELBO):
@@ -41,6 +44,7 @@ class Trace_ELBO(RoutedELBO):
     """
 
     _splits = False  # only the ordinary log-densities: the guide runs exactly as under Pyro
+    _stl_safe = True  # stick_the_landing is valid in it (a plain sum of log q's gradient)
 
     def _needs_split(self, site) -> bool:
         return False
@@ -80,6 +84,108 @@ class Trace_ELBO(RoutedELBO):
                 log_r = MultiFrameTensor(*((f, c) for _, f, c in costs))
             add_term(terms, ("guide", name), (log_r.sum_to(stack) * score_function).sum())
         return elbo, terms
+
+
+class TraceSTL_ELBO(Trace_ELBO):
+    r"""Trace ELBO whose reparameterized guide sites use only the *pathwise* gradient.
+
+    For a reparameterized guide sample :math:`z = g(\epsilon; \phi)` the ordinary
+    estimator differentiates :math:`\log q(z; \phi)` fully, which contains the score
+    part :math:`\partial_\phi \log q(z;\phi)|_z` whose expectation is zero. STL drops it:
+
+    .. math::
+
+        \hat\nabla_\phi = \nabla_\phi\big[\log p(x, g(\epsilon;\phi))
+            - \log q(g(\epsilon;\phi); \bot(\phi))\big]
+
+    Same expectation (unbiased), and the estimator is exactly zero when
+    :math:`q` equals the posterior (then :math:`\log p(x,z) - \log q(z)` is constant in
+    :math:`z`). Far from the posterior its variance can exceed ``Trace_ELBO``'s
+    (see the README's Performance section for where the crossover lies).
+
+    For a conditional guide :math:`q(z_1) q(z_2 \mid z_1)` the score part of the joint
+    density holds *both* samples fixed, so :math:`\log q(z_2 \mid z_1; \bot(\phi))` keeps
+    its path through :math:`z_1` (at any depth: each sample is a cut point).
+
+    This is the package's ``Trace_ELBO`` running the guide under
+    :func:`~pyro_gradroute.poutine.stick_the_landing` (one mechanism: the sites'
+    ``score_parts`` carry the pathwise gradient), with routing.
+
+    Drop-in for :class:`pyro.infer.Trace_ELBO`: same constructor arguments
+    (``num_particles``, ``vectorize_particles``, ``max_plate_nesting``, ...), and the
+    draws and loss values are identical for the same random seed. The guide's
+    log-density is evaluated once per site; the model and guide run once per particle, on
+    every step.
+
+    * non-reparameterized guide sites keep the score-function treatment of ``Trace_ELBO``
+      (through their distribution's own ``score_parts``, masks included);
+    * distributions with their own ``score_parts`` (``Rejector``) keep their score
+      function term; only their entropy term is taken pathwise;
+    * ``Delta`` sites (AutoDelta, and the sites AutoContinuous guides unpack) have no
+      random draw of their own: their value's gradient is the model's, and their
+      ``log_density`` is taken pathwise through the draws it is computed from.
+      ``AutoStructured`` and ``AutoGaussian`` (dense), whose Deltas' ``log_density``
+      depends on the parameters directly, take the pathwise part of the joint density
+      through the guide's affine map; any other ``log_density`` that depends on
+      parameters directly is an error naming the site;
+    * a site whose distribution cannot be split (a flow with a transform that has neither
+      a forward rule nor an inverse) gets the ordinary gradient, with a warning naming it;
+    * ``infer={"stl": False}`` on a guide site restores the ordinary gradient there;
+      ``infer={"stl": True}`` on a site without ``rsample`` is an error.
+
+    ``trace_steps=N``: the first ``N`` calls of ``loss_and_grads`` (SVI steps) take the
+    ordinary ``Trace_ELBO`` gradient, and sticking the landing starts after them. Far from
+    the posterior (Pyro's narrow initial scales, e.g. ``AutoNormal(init_scale=0.1)``) STL's
+    variance can exceed ``Trace_ELBO``'s; starting with ``Trace_ELBO`` avoids that regime.
+    :class:`~pyro_gradroute.infer.TraceAdaptiveSTL_ELBO` makes this choice from measured
+    variances, per parameter element; ``TraceAdaptiveSTL_ELBO(mix_gain=math.inf)`` is the
+    measured switch between the whole estimators (``Trace_ELBO`` first, this estimator's
+    gradient once its measured second moment is the lower; never a mix).
+
+    **Cost.** A site of a plain family (a torch or Pyro distribution, ``Independent``,
+    ``expand``, ``mask``, or a parameter-free ``TransformedDistribution`` over one) takes
+    its pathwise part from one evaluation of a copy with detached parameters at the live
+    sample: the step costs what ``Trace_ELBO``'s does. Conditional sites, flows without a
+    cached path, families with their own ``score_parts`` and straight-through samples add
+    one custom node for all of them (:func:`~pyro_gradroute.poutine.pathwise.site_pathwise`).
+
+    Example::
+
+        >>> import torch, pyro, pyro.distributions as dist
+        >>> from pyro.infer import SVI
+        >>> from pyro.infer.autoguide import AutoNormal
+        >>> from pyro_gradroute.infer import TraceSTL_ELBO
+        >>> def model(x):
+        ...     mu = pyro.sample("mu", dist.Normal(0.0, 1.0))
+        ...     with pyro.plate("data", len(x)):
+        ...         pyro.sample("x", dist.Normal(mu, 1.0), obs=x)
+        >>> pyro.clear_param_store()
+        >>> svi = SVI(model, AutoNormal(model), pyro.optim.Adam({"lr": 0.05}),
+        ...           TraceSTL_ELBO(num_particles=4, vectorize_particles=True))
+        >>> loss = svi.step(torch.randn(10))
+    """
+
+    def __init__(self, *args, trace_steps: int = 0, **kwargs):
+        super().__init__(*args, **kwargs)
+        n = self.num_particles
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(
+                f"{type(self).__name__}: num_particles must be an integer >= 1, got {n!r}"
+            )
+        self._policy = STLPolicy(type(self).__name__, trace_steps)
+        self._handler = StickTheLandingMessenger(_policy=self._policy)
+
+    def loss_and_grads(self, model, guide, *args, **kwargs) -> float:
+        loss = super().loss_and_grads(model, guide, *args, **kwargs)
+        self._policy.advance()
+        return loss
+
+    def _get_trace(self, model, guide, args, kwargs):
+        model_trace, guide_trace = get_split_importance_trace(
+            self.max_plate_nesting, model, guide, args, kwargs, context=self._handler
+        )
+        refuse_model_enumeration(self, model_trace, guide_trace)
+        return model_trace, guide_trace
 
 
 def _costs(model_trace, guide_trace) -> list:

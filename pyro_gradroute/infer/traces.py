@@ -20,12 +20,28 @@ from pyro import poutine
 from pyro.distributions.util import scale_and_mask
 from pyro.infer.util import is_validation_enabled
 from pyro.poutine.util import prune_subsample_sites
-from pyro.util import check_if_enumerated, check_model_guide_match, check_site_shape, get_rng_state
-from pyro.util import set_rng_state as set_pyro_rng_state
+from pyro.util import check_if_enumerated, check_model_guide_match, check_site_shape
 
+from ..poutine._wrapped import WrappedDistribution
 from ..poutine.gated_distribution import unwrap_gates
 from ..poutine.split_distribution import SplitBatch, SplitDistribution
 from ..poutine.split_messenger import SplitMessenger
+from ..poutine.stick_the_landing_messenger import PathwiseDistribution
+
+
+class _StructuredSite(WrappedDistribution):
+    """(The adaptive shim above.)"""
+
+    _own = ("base_dist", "_path")
+
+    def __init__(self, base_dist, path):
+        self.base_dist, self._path = base_dist, path
+        super().__init__(base_dist.batch_shape, base_dist.event_shape, validate_args=False)
+
+    def log_prob(self, value, *args, **kwargs):
+        lp = self.base_dist.log_prob(value, *args, **kwargs)
+        path = None if self._path is None else self._path.log_prob
+        return lp if not torch.is_tensor(path) else lp + 0.0 * path
 
 
 def _check_finite(trace: poutine.Trace, role: str) -> None:
@@ -43,19 +59,22 @@ def _check_finite(trace: poutine.Trace, role: str) -> None:
     )
 
 
-def rng_state() -> dict:
-    """Pyro's random state (torch, ``random``, numpy), with every initialized CUDA device's."""
-    state = get_rng_state()
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    """Restore what :func:`rng_state` returned."""
-    set_pyro_rng_state(state)
-    if "cuda" in state:
-        torch.cuda.set_rng_state_all(state["cuda"])
+def refuse_model_enumeration(elbo, model_trace, guide_trace) -> None:
+    """Raise, naming the site, for an enumerated model site the estimator would sample instead."""
+    for name, site in model_trace.nodes.items():
+        if (
+            site["type"] == "sample"
+            and site["infer"].get("enumerate")
+            and not site["is_observed"]
+            and name not in guide_trace.nodes
+        ):
+            raise ValueError(
+                f"model site {name!r} is marked for enumeration, which {type(elbo).__name__} "
+                "does not do (it would be sampled from its prior, a different objective): use "
+                "pyro.infer.TraceEnum_ELBO with the guide under "
+                "pyro_gradroute.poutine.stick_the_landing, or "
+                "pyro_gradroute.infer.TraceEnumAdaptiveSTL_ELBO, or remove the enumeration mark"
+            )
 
 
 def site_parts(site):
@@ -89,7 +108,7 @@ def get_split_importance_trace(
     needs_split=None,
     fallback=None,
     pathwise=None,
-    fill=None,
+    context=None,
 ):
     """Run the guide once and the model once against it; split the guide's log-densities.
 
@@ -100,18 +119,18 @@ def get_split_importance_trace(
         estimator uses (``False``: none, and the guide runs exactly as under Pyro's ELBOs), and ``fallback(record, error) -> bool`` for sites that cannot be
         split, and ``pathwise(record) -> bool`` for the sites whose ``score_parts`` carry
         the pathwise gradient (see :class:`~pyro_gradroute.poutine.split_distribution.SplitBatch`).
-    :param fill: optional ``guide_trace -> bool``, called (with ``needs_split=False``) before
-        the guide's score parts are computed, to set some sites' ``score_parts`` itself
-        (:func:`~pyro_gradroute.poutine.pathwise.fill_score_parts`); ``False`` means it
-        could not, and then this function returns ``None``.
+    :param context: a messenger the guide runs inside instead of the split (the estimator's
+        :class:`~pyro_gradroute.poutine.StickTheLandingMessenger`); the guide trace's sites
+        then hold their base distributions, with the parts it computed.
     :returns: ``(model_trace, guide_trace)`` with log-probabilities computed.
     """
     # an estimator that splits no site (needs_split is False) runs the guide as Pyro does
-    splitting = (
-        SplitMessenger(SplitBatch(needs_split, fallback, pathwise))
-        if needs_split is not False
-        else contextlib.nullcontext()
-    )
+    if context is not None:
+        splitting = context
+    elif needs_split is not False:
+        splitting = SplitMessenger(SplitBatch(needs_split, fallback, pathwise))
+    else:
+        splitting = contextlib.nullcontext()
     unwrapped_guide = poutine.unwrap(guide)
     if isinstance(unwrapped_guide, poutine.messenger.Messenger):
         if replay_values is not None:
@@ -138,9 +157,22 @@ def get_split_importance_trace(
     model_trace = prune_subsample_sites(model_trace)
     unwrap_gates(model_trace)  # block_grad routes go to the routing engine, not the gates
     unwrap_gates(guide_trace)
-    if fill is not None and fill(guide_trace) is False:
-        return None
     guide_trace.compute_score_parts()  # the guide first: a NaN there is named as such
+    if context is not None:  # the parts are computed: the sites hold their base distributions
+        for site in guide_trace.nodes.values():
+            if site["type"] == "sample":
+                fn = site["fn"]
+                if type(fn) is not PathwiseDistribution:
+                    continue
+                rec = fn._site
+                if rec is not None and rec.owner is not None:
+                    # (a private shim for trace_adaptive_elbo._filled_score, which reads a
+                    # site's score part as its full density less its pathwise one: a
+                    # structured guide's site is no Delta there, and its full density
+                    # carries the graph even where its value reads no parameter)
+                    site["fn"] = _StructuredSite(fn.base_dist, rec.parts)
+                else:
+                    site["fn"] = fn.base_dist
     if validate:
         _check_finite(guide_trace, "guide")
     model_trace.compute_log_prob()

@@ -10,18 +10,17 @@ ELBOs unwrap it (:func:`unwrap_gates`) and use the faster routing engine instead
 from __future__ import annotations
 
 import torch
-from pyro.distributions import TorchDistribution
 from pyro.distributions.score_parts import ScoreParts
 from pyro.ops.provenance import detach_provenance, get_provenance, track_provenance
 
 from .. import routing
+from ._wrapped import WrappedDistribution
 from .resolve import BlockSpec, resolve
 
-_EMPTY = torch.Size()
 SPECS_KEY = "block_grad_specs"
 
 
-class GatedDistribution(TorchDistribution):
+class GatedDistribution(WrappedDistribution):
     r"""``base_dist`` with :math:`\nabla_\theta \log p = 0` for the blocked parameters :math:`\theta`.
 
     Sampling, shapes, support and every other attribute are those of ``base_dist``;
@@ -41,8 +40,6 @@ class GatedDistribution(TorchDistribution):
         >>> loc.grad is None  # the only parameter is blocked: no gradient at all
         True
     """
-
-    arg_constraints: dict = {}
 
     def __init__(self, base_dist=None, specs=(), site=None, score_sites=None, **params):
         if base_dist is None or params:
@@ -68,17 +65,6 @@ class GatedDistribution(TorchDistribution):
             ]
             return cls(fn.base_dist, fn.specs + (spec,), fn.site or site, merged)
         return cls(fn, (spec,), site, score_sites)
-
-    def __getattr__(self, name):
-        if name == "base_dist":
-            raise AttributeError(name)
-        return getattr(self.base_dist, name)
-
-    has_rsample = property(lambda self: self.base_dist.has_rsample)  # type: ignore[assignment]
-    has_enumerate_support = property(lambda self: self.base_dist.has_enumerate_support)  # type: ignore[assignment]
-    support = property(lambda self: self.base_dist.support)  # type: ignore[assignment]
-    mean = property(lambda self: self.base_dist.mean)
-    variance = property(lambda self: self.base_dist.variance)
 
     def _gate(self, t):
         if torch.jit.is_tracing():
@@ -123,21 +109,12 @@ class GatedDistribution(TorchDistribution):
                 "REINFORCE terms per site."
             )
 
-    def sample(self, sample_shape=_EMPTY):
-        return self.base_dist.sample(sample_shape)
-
-    def rsample(self, sample_shape=_EMPTY):
-        return self.base_dist.rsample(sample_shape)
-
     def log_prob(self, value, *args, **kwargs):
         return self._gate(self.base_dist.log_prob(value, *args, **kwargs))
 
     def score_parts(self, value, *args, **kwargs):
         parts = self.base_dist.score_parts(value, *args, **kwargs)
         return ScoreParts(*(self._gate(t) for t in parts))
-
-    def enumerate_support(self, expand=True):
-        return self.base_dist.enumerate_support(expand=expand)
 
     def expand(self, batch_shape, _instance=None):
         return GatedDistribution(

@@ -1,36 +1,36 @@
-r"""The pathwise parts of a guide's sites, from Pyro's plain guide trace.
+r"""The pathwise part of a guide site's log-density, decided from the site alone.
 
-Sticking the landing replaces each reparameterized guide site's ``score_parts`` by
-its pathwise part :math:`\log q(z; \bot(\phi))`, the ordinary value with the direct
-dependence on the parameters stopped. The cheapest exact mechanism is chosen per site:
+Sticking the landing replaces each reparameterized guide site's ``score_parts`` by its
+pathwise part :math:`\log q(z; \bot(\phi))`, the ordinary value with the direct
+dependence on the parameters stopped. :func:`site_pathwise` decides, per site, the
+cheapest exact mechanism, and :func:`evaluate_run` evaluates a guide run's sites:
 
-* a plain family whose parameters are not computed from earlier samples: one
-  evaluation of a detached copy at the live sample
+* a plain family (a torch or Pyro family, ``Independent`` / ``expand`` / ``mask`` or a
+  parameter-free ``TransformedDistribution`` over one) whose parameters read no earlier
+  sample: one evaluation of a detached copy at the live sample
   (:func:`~pyro_gradroute.distributions.detached.detached_copy`); no custom node;
-* plain families whose parameters read earlier samples :math:`u` (conditional sites
-  :math:`q(z_2 \mid z_1)`): one split node for all of them
+* a flow whose density and sample read no earlier sample, with its path in the
+  transforms' caches: its forward-carried gradient :math:`\nabla_{x_k} \log q` sent to the
+  sample's path as :math:`\langle \bot(g), x_k \rangle` (no custom node);
+* anything else with a random draw (conditional sites :math:`q(z_2 \mid z_1)` at any
+  depth, conditional or uncached flows, families with their own ``score_parts``,
+  straight-through samples): one split node for all of them
   (:func:`~pyro_gradroute.distributions.split.split_score_parts`), which also sends the
-  partials :math:`\partial \log q / \partial u` to the samples read. The samples read
-  are found by walking the parameters' graph, stopping at earlier samples. Where they
-  are computed from each other (chains :math:`q(z_t \mid z_{t-1})`, dense DAGs) the
-  product stops the gradient below each sample while it is taken, as relays would
-  (:func:`conditional_pathwise`);
-* a flow (a ``TransformedDistribution`` with parametrized transforms, each with a forward
-  rule) whose density and sample read no earlier sample: its gradient
-  :math:`\nabla_{x_k} \log q` carried forward through the path in the transforms'
-  caches, sent to the sample's path as :math:`\langle \bot(g), x_k \rangle` in a plain
-  expression (:func:`flow_pathwise`); no custom node;
-* anything else (conditional flows, flows without a cached path or a rule, families with
-  their own ``score_parts``, straight-through samples, Delta sites whose density depends
-  on parameters directly): the general split with relays
-  (:class:`~pyro_gradroute.poutine.split_messenger.SplitMessenger`).
-  :func:`pathwise_score_parts` then answers ``None`` and the caller runs the guide that
-  way instead.
+  partials :math:`\partial \log q / \partial u` to the earlier samples :math:`u` read. A
+  backward pre-hook on each earlier sample's autograd node stops the gradient below it
+  while that product is taken, so each gets its partial derivative;
+* under the JIT (a traced program does not rebuild the node's graph): the site's full
+  parts minus its parts at the detached sample (two evaluations); a conditional site
+  raises;
+* a ``Delta`` (no random draw): its ordinary parts, when its density reaches the
+  parameters only through earlier draws; an ``AutoStructured`` / ``AutoGaussian`` Delta
+  takes the pathwise part of the joint density through the guide's map
+  (:mod:`~pyro_gradroute.distributions.structured`); any other is a clear error naming
+  the site.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -42,12 +42,14 @@ from ..distributions.detached import delta_base, detached_copy
 from ..distributions.split import (
     SplitNotSupported,
     _flow_candidate,
+    _sampled_score_parts,
     flatten_transformed,
     split_score_parts,
 )
-from ..routing import reached_nodes, reaches_leaf_directly
+from ..distributions.structured import StructuredNotSupported, structured_pathwise
+from ..routing import reached, reached_nodes, reaches_leaf_directly
 
-__all__ = ["frontier", "latent_site", "pathwise_score_parts", "site_pathwise"]
+__all__ = ["evaluate_run", "frontier", "latent_site", "site_pathwise"]
 
 
 def latent_site(site: dict) -> bool:
@@ -79,190 +81,20 @@ def frontier(tensors: list[torch.Tensor], earlier: dict) -> list[int]:
     return reached_nodes(tensors, earlier)
 
 
-class NeedsGeneralSplit(Exception):
-    """A site whose pathwise part needs the general split (relays and forward-carried rules)."""
+class DeltaDensityError(ValueError):
+    """A Delta site whose ``log_density`` depends on the guide's parameters directly."""
+
+
+NeedsGeneralSplit = DeltaDensityError  # (a private shim for trace_adaptive_elbo; never raised)
 
 
 class Conditional(NamedTuple):
-    """A site whose parameters read earlier samples: evaluated with the others, in one node."""
+    """A site evaluated with the others in one split node (see the module docstring)."""
 
     name: str
     fn: object
     value: torch.Tensor
-    upstream: tuple[int, ...]  # indices of the earlier samples it reads
-
-
-def site_pathwise(
-    name: str,
-    fn,
-    value: torch.Tensor,
-    earlier: list[torch.Tensor],
-    nodes: dict,
-    check_only: bool = False,
-):
-    """The pathwise :class:`~pyro.distributions.score_parts.ScoreParts` of one site (unscaled).
-
-    ``None``: the site needs no split (a Delta computed from earlier draws: its ordinary
-    parts are all pathwise). A :class:`Conditional`: the site reads earlier samples, and
-    :func:`conditional_pathwise` evaluates it. Raises :class:`NeedsGeneralSplit` where the
-    general split is needed. ``check_only``: the classification only (a flow's parts then
-    carry no gradient: its rules are not run, so the sample's graph may have been freed).
-    """
-    d = delta_base(fn)
-    if d is not None:
-        ld = d.log_density
-        if torch.is_tensor(ld) and ld.requires_grad and reaches_leaf_directly(ld, stop_nodes=nodes):
-            raise NeedsGeneralSplit(name)
-        return None
-    if hasattr(value, "_unquantize"):  # straight-through: the density is at the relaxed value
-        raise NeedsGeneralSplit(name)
-    params: list[torch.Tensor] = []
-    copy = detached_copy(fn, value, params)  # None where fn is not a plain family
-    if copy is None:
-        return flow_pathwise(name, fn, value, nodes, check_only)
-    if params and not value.requires_grad and torch.is_grad_enabled():
-        raise ValueError(
-            f"guide site '{name}': its value does not depend on its distribution's parameters, "
-            "so it was not drawn by that distribution (another handler, e.g. poutine.replay "
-            "or poutine.condition around the guide, replaced it). Sticking the landing needs "
-            "the sample the guide drew; remove that handler, or mark the site "
-            "infer={'stl': False} to give it the ordinary gradient."
-        )
-    ups = frontier(params, nodes)
-    if not ups:
-        lp = copy.log_prob(value)
-        parts = PathwiseParts(lp, 0, lp)
-        parts.conditional = False
-        return parts
-    if torch.jit.is_tracing():
-        raise NotImplementedError(
-            f"guide site '{name}': its density depends on earlier guide samples (a "
-            "conditional guide), whose pathwise path cannot be kept inside a program traced "
-            "by the JIT. Use the non-JIT ELBO (Trace_ELBO, TraceGraph_ELBO, TraceEnum_ELBO) "
-            "with stick_the_landing, or pyro_gradroute.infer.TraceSTL_ELBO."
-        )
-    return Conditional(name, fn, value, tuple(ups))
-
-
-def flow_pathwise(
-    name: str, fn, value: torch.Tensor, nodes: dict, check_only: bool = False
-) -> ScoreParts:
-    r"""The pathwise parts of an unconditional flow site, from its transforms' caches (no custom node).
-
-    ``fn`` is a ``TransformedDistribution`` with parametrized transforms, each up to the
-    last parametrized one with a forward rule (:mod:`~pyro_gradroute.distributions.flows`),
-    and ``value`` its sample with the path in the caches. Its parts are
-    :func:`~pyro_gradroute.distributions.flows.pathwise_log_prob`: the ordinary value,
-    the forward-carried gradient :math:`g = \nabla_{x_k} \log q` sent to the sample's
-    path only. Raises :class:`NeedsGeneralSplit` for any other flow: without a cached
-    path (a value another handler supplied, an uncached transform, a transform called
-    again since), a transform without a rule, one whose density or sample reads an
-    earlier sample (a conditional flow: the general split keeps that path), or under the
-    JIT.
-    """
-    if torch.jit.is_tracing():
-        raise NeedsGeneralSplit(name)
-    flat = flatten_transformed(fn)
-    if not _flow_candidate(flat):
-        raise NeedsGeneralSplit(name)
-    path = flows.cached_path(flat, value)
-    if path is None:
-        raise NeedsGeneralSplit(name)
-    if nodes and torch.is_grad_enabled():  # a conditional flow: what its density reads
-        if value.grad_fn in nodes:  # the site's own sample (the handler lists its run's samples)
-            nodes = {n: i for n, i in nodes.items() if n is not value.grad_fn}
-        if frontier([path.log_prob(), value], nodes):
-            raise NeedsGeneralSplit(name)
-    if check_only:  # (the value only: no rule runs)
-        with torch.no_grad():
-            lp = path.log_prob()
-    else:
-        try:
-            lp = flows.pathwise_log_prob(path)
-        except ValueError as e:  # a triangular solve that did not converge, ...: name the site
-            raise ValueError(f"Error while computing log_prob at site '{name}':\n{e}") from e
-    parts = PathwiseParts(lp, 0, lp)
-    parts.conditional, parts.flow = False, True
-    return parts
-
-
-def conditional_pathwise(items: list[Conditional], earlier: list[torch.Tensor]) -> list[ScoreParts]:
-    r"""The pathwise parts of conditional sites, from one split node (no relays).
-
-    The node sends each site's partials :math:`\partial \log q / \partial u` to the
-    samples :math:`u` it reads, in one product for all of them. Where the samples read
-    are computed from each other (chains :math:`q(z_t \mid z_{t-1})`, dense DAGs) the
-    product stops the gradient below each one while it is taken (a backward pre-hook on
-    its autograd node), so that each gets its partial derivative, exactly as the general
-    split's relays do.
-    """
-    try:
-        out = split_score_parts(
-            [(it.fn, it.value, [earlier[i] for i in it.upstream], None) for it in items], cut=True
-        )
-    except SplitNotSupported as e:
-        raise NeedsGeneralSplit(items[0].name) from e
-    return [path for _, path, _ in out]
-
-
-def pathwise_score_parts(
-    guide_trace, uses_pathwise: Callable[[dict], bool]
-) -> dict[str, ScoreParts] | None:
-    """``{site: pathwise ScoreParts, unscaled}`` for the guide sites that take only their pathwise gradient.
-
-    ``None`` if some site needs the general split (see the module docstring).
-
-    Example::
-
-        >>> import torch, pyro, pyro.distributions as dist
-        >>> from pyro import poutine
-        >>> def guide():
-        ...     m = pyro.param("m", torch.tensor(0.2))
-        ...     z = pyro.sample("z", dist.Normal(m, 1.0))
-        ...     pyro.sample("w", dist.Normal(z, 0.5))  # conditional: reads z
-        >>> pyro.clear_param_store()
-        >>> tr = poutine.trace(guide).get_trace()
-        >>> parts = pathwise_score_parts(tr, lambda site: True)
-        >>> lp = parts["z"].log_prob
-        >>> bool(torch.allclose(lp, tr.nodes["z"]["fn"].log_prob(tr.nodes["z"]["value"])))
-        True
-        >>> (g,) = torch.autograd.grad(lp, pyro.param("m").unconstrained())
-        >>> z = tr.nodes["z"]["value"].detach()
-        >>> bool(torch.allclose(g, -(z - 0.2)))  # pathwise: d/dm log q(m + eps; stop(m)) = -eps
-        True
-    """
-    out: dict[str, ScoreParts] = {}
-    conditional: list[Conditional] = []
-    earlier: list[torch.Tensor] = []
-    nodes: dict = {}
-    try:
-        for name, site in guide_trace.nodes.items():
-            if not latent_site(site):
-                continue
-            value = site["value"]
-            if uses_pathwise(site) and torch.is_tensor(value):
-                if (
-                    site["infer"].get("is_auxiliary")
-                    and delta_base(site["fn"]) is not None
-                    and value.requires_grad
-                    and reaches_leaf_directly(value, stop_nodes=nodes)
-                ):
-                    # an auxiliary Delta computed from parameters: the general split checks it
-                    return None
-                parts = site_pathwise(name, site["fn"], value, earlier, nodes)
-                if isinstance(parts, Conditional):
-                    conditional.append(parts)
-                elif parts is not None:
-                    out[name] = parts
-            if torch.is_tensor(value) and value.grad_fn is not None:
-                nodes[value.grad_fn] = len(earlier)
-                earlier.append(value)
-        if conditional:
-            for it, parts in zip(conditional, conditional_pathwise(conditional, earlier)):
-                out[it.name] = parts
-    except NeedsGeneralSplit:
-        return None
-    return out
+    upstream: tuple[int, ...]  # indices of the earlier samples it may read
 
 
 class PathwiseParts(ScoreParts):
@@ -272,15 +104,300 @@ class PathwiseParts(ScoreParts):
     conditional: bool = True
     flow: bool = False
 
+    def scale_and_mask(self, scale=1.0, mask=None) -> PathwiseParts:
+        out = PathwiseParts(*super().scale_and_mask(scale, mask))
+        out.conditional, out.flow = self.conditional, self.flow
+        return out
 
-def fill_score_parts(guide_trace, parts: dict[str, ScoreParts]) -> None:
-    """Set the sites' ``score_parts`` (and ``log_prob``...) as ``Trace.compute_score_parts`` would."""
-    for name, p in parts.items():
-        site = guide_trace.nodes[name]
-        site["unscaled_log_prob"] = p.log_prob
-        conditional = getattr(p, "conditional", True)
-        p = PathwiseParts(*p.scale_and_mask(site["scale"], site["mask"]))
-        p.conditional = conditional
-        site["score_parts"] = p
-        site["log_prob"] = p.log_prob
-        site["log_prob_sum"] = p.log_prob.sum()
+
+def _delta_error(name: str) -> DeltaDensityError:
+    return DeltaDensityError(
+        f"guide site '{name}' is a Delta whose log_density depends on the guide's "
+        "parameters directly (as AutoStructured's and AutoGaussian's sites do), so its "
+        "pathwise part at a fixed value is not available and dropping the score part would "
+        "bias the gradient. Use pyro_gradroute.infer.Trace_ELBO (or pyro.infer.RenyiELBO for "
+        "an importance-weighted bound) with this guide, or a guide whose Deltas are "
+        "functions of earlier draws only (AutoNormal, AutoMultivariateNormal, ...)."
+    )
+
+
+def site_pathwise(name: str, fn, value: torch.Tensor, earlier: list, nodes: dict, owner=None):
+    """The pathwise :class:`~pyro.distributions.score_parts.ScoreParts` of one site (unscaled).
+
+    ``earlier``: the samples drawn before this one; ``nodes``: their autograd nodes ->
+    index. Returns the parts (detached copy, forward-carried flow rule, or the two JIT
+    evaluations); ``None`` for a Delta whose ordinary parts are all pathwise; a
+    :class:`Conditional` for a site the split node evaluates with the run's others; or
+    ``owner`` for a Delta of a structured guide (evaluated through its map). Raises
+    :class:`DeltaDensityError` for any other Delta whose density reads parameters directly,
+    ``NotImplementedError`` for a conditional site under the JIT.
+    """
+    d = delta_base(fn)
+    if d is not None:
+        ld = d.log_density
+        if torch.is_tensor(ld) and ld.requires_grad and reaches_leaf_directly(ld, stop_nodes=nodes):
+            if owner is not None:
+                return owner
+            raise _delta_error(name)
+        return None
+    tracing = torch.jit.is_tracing()
+    if not hasattr(value, "_unquantize"):  # (straight-through: the density is at the relaxed value)
+        params: list[torch.Tensor] = []
+        copy = detached_copy(fn, value, params)  # None where fn is not a plain family
+        if copy is not None:
+            if params and not value.requires_grad and torch.is_grad_enabled():
+                raise ValueError(
+                    f"guide site '{name}': its value does not depend on its distribution's "
+                    "parameters, so it was not drawn by that distribution (another handler, "
+                    "e.g. poutine.replay or poutine.condition around the guide, replaced it). "
+                    "Sticking the landing needs the sample the guide drew; remove that handler, "
+                    "or mark the site infer={'stl': False} to give it the ordinary gradient."
+                )
+            ups = frontier(params, nodes)
+            if not ups:
+                lp = copy.log_prob(value)
+                parts = PathwiseParts(lp, 0, lp)
+                parts.conditional = False
+                return parts
+            if tracing:
+                raise _conditional_under_jit(name)
+            return Conditional(name, fn, value, tuple(ups))
+        if not tracing:
+            parts = _flow_pathwise(name, fn, value, nodes)
+            if parts is not None:
+                return parts
+    if tracing:
+        return _traced(name, fn, value, earlier)
+    return Conditional(name, fn, value, tuple(range(len(earlier))))
+
+
+def _conditional_under_jit(name: str) -> NotImplementedError:
+    return NotImplementedError(
+        f"guide site '{name}': its density depends on earlier guide samples (a "
+        "conditional guide), whose pathwise path cannot be kept inside a program traced "
+        "by the JIT. Use the non-JIT ELBO (Trace_ELBO, TraceGraph_ELBO, TraceEnum_ELBO) "
+        "with stick_the_landing, or pyro_gradroute.infer.TraceSTL_ELBO."
+    )
+
+
+def _flow_pathwise(name: str, fn, value: torch.Tensor, nodes: dict) -> ScoreParts | None:
+    r"""The pathwise parts of an unconditional flow site, from its transforms' caches (no node).
+
+    ``fn`` is a ``TransformedDistribution`` with parametrized transforms, each up to the
+    last parametrized one with a forward rule (:mod:`~pyro_gradroute.distributions.flows`),
+    and ``value`` its sample with the path in the caches. ``None`` for any other flow (no
+    cached path, a transform without a rule, a density or sample that reads an earlier
+    sample): the split node evaluates it.
+    """
+    flat = flatten_transformed(fn)
+    if not _flow_candidate(flat):
+        return None
+    path = flows.cached_path(flat, value)
+    if path is None:
+        return None
+    if nodes and torch.is_grad_enabled():  # a conditional flow: what its density reads
+        if value.grad_fn in nodes:  # the site's own sample
+            nodes = {n: i for n, i in nodes.items() if n is not value.grad_fn}
+        if frontier([path.log_prob(), value], nodes):
+            return None
+    try:
+        lp = flows.pathwise_log_prob(path)
+    except ValueError as e:  # a triangular solve that did not converge, ...: name the site
+        raise ValueError(f"Error while computing log_prob at site '{name}':\n{e}") from e
+    parts = PathwiseParts(lp, 0, lp)
+    parts.conditional, parts.flow = False, True
+    return parts
+
+
+def _traced(name: str, fn, value: torch.Tensor, earlier: list) -> ScoreParts:
+    """The pathwise parts as plain tensor operations, for programs traced by the JIT.
+
+    ``pathwise = log q(z) - log q(stop(z)) + stop(log q(stop(z)))``: the full gradient minus
+    the score part, the same first derivatives as the split node. The subtraction also
+    removes the path through earlier samples, so a conditional site raises.
+    """
+    full = fn.score_parts(value)
+    v = value.detach()
+    try:
+        score = fn.score_parts(v)
+    except AssertionError:  # score_parts that accept only the sampler's own tensor (RSVI)
+        try:
+            score = _sampled_score_parts(fn, v, value)
+        except SplitNotSupported as e:
+            raise SplitNotSupported(f"guide site '{name}': {e}") from e
+    except (NotImplementedError, KeyError) as e:
+        raise SplitNotSupported(
+            f"guide site '{name}': {type(fn).__name__}.log_prob cannot be evaluated at a fixed "
+            f"sample ({type(e).__name__}: {e}), which a program traced by the JIT needs for the "
+            "split (a flow with a transform without an inverse: Planar, Radial, Sylvester, ...). "
+            "Use the non-JIT ELBO (Trace_ELBO, TraceGraph_ELBO, TraceEnum_ELBO) with "
+            "stick_the_landing, or pyro_gradroute.infer.TraceSTL_ELBO, which carry the "
+            "pathwise gradient forward without an inverse."
+        ) from e
+    if earlier and reached(score.log_prob, earlier):
+        raise _conditional_under_jit(name)
+
+    def path(f, s):
+        if not (torch.is_tensor(f) and f.requires_grad):
+            return _stop(f)
+        if not (torch.is_tensor(s) and s.requires_grad):
+            return f
+        return f - s + s.detach()
+
+    return PathwiseParts(
+        path(full.log_prob, score.log_prob),
+        full.score_function,
+        path(full.entropy_term, score.entropy_term),
+    )
+
+
+def _stop(t):
+    return t.detach() if torch.is_tensor(t) else t
+
+
+class RunSite:
+    """One guide site of a run, as :func:`evaluate_run` reads it."""
+
+    __slots__ = (
+        "name", "fn", "value", "index", "earlier", "owner", "auxiliary", "preimage", "parts",
+        "score", "point",
+    )  # fmt: skip
+
+    def __init__(
+        self, name, fn, value, index, owner=None, auxiliary=False, preimage=None, earlier=()
+    ):
+        self.name, self.fn, self.value, self.index = name, fn, value, index
+        self.owner, self.auxiliary, self.preimage = owner, auxiliary, preimage
+        self.earlier = earlier  # the run's samples (those before this one: ``upstream``)
+        self.parts = None  # the pathwise parts (None: the ordinary ones)
+        self.score = None  # the split node's evaluated density (what it reads)
+        self.point = False  # an AutoStructured "delta" conditional: no density of its own
+
+    @property
+    def upstream(self) -> list:
+        """The samples drawn before this one (with an autograd node), in draw order."""
+        return self.earlier[: self.index]
+
+
+class _Record(NamedTuple):
+    """A site as :func:`~pyro_gradroute.distributions.structured.structured_pathwise` reads it."""
+
+    raw: torch.Tensor
+    fn: object
+
+    @property
+    def parts(self) -> tuple:
+        return (self.fn.score_parts(self.raw),)
+
+
+def evaluate_run(sites: list[RunSite], earlier: list, nodes: dict, fallback=None, run=None) -> None:
+    """Set each site's ``parts`` (unscaled pathwise :class:`ScoreParts`; None: ordinary).
+
+    ``earlier``: every sample of the run with an autograd node, in draw order; ``nodes``:
+    node -> index; a site's ``index`` is how many of them were drawn before it.
+    ``fallback(name, error) -> bool``: whether a site that cannot be split takes its
+    ordinary parts (else the error is raised, naming the site). ``run``: every site of the
+    run (``sites`` are those not evaluated yet), which a structured guide's map reads.
+    """
+    items: list[tuple[RunSite, Conditional]] = []
+    owners: dict[int, object] = {}
+    for s in sites:
+        before = earlier[: s.index]
+        out = site_pathwise(s.name, s.fn, s.value, before, nodes, s.owner)
+        if type(out) is Conditional:
+            items.append((s, out))
+        elif out is s.owner and out is not None:
+            owners[id(out)] = out
+        else:
+            s.parts = out
+    if items:
+        _split(items, earlier, fallback)
+    for owner in owners.values():
+        _structured(owner, run or sites)
+    _check_auxiliary_links(run or sites, items, earlier, nodes)
+
+
+def _split(items, earlier, fallback) -> None:
+    """One split node for the sites that need it (conditional, straight-through, own parts, flows)."""
+
+    def on_error(i, err):
+        s = items[i][0]
+        if fallback is None or not fallback(s.name, err):
+            raise SplitNotSupported(f"Guide site '{s.name}': {err}") from err
+        full = s.fn.score_parts(s.value)
+        return full, ScoreParts(*(_stop(t) for t in full)), None
+
+    args = [(c.fn, c.value, [earlier[i] for i in c.upstream], s.preimage) for s, c in items]
+    try:
+        out = split_score_parts(args, on_error=on_error, cut=True)
+    except ValueError as e:
+        i = getattr(e, "split_index", None)
+        if i is None:
+            raise
+        raise ValueError(
+            f"Error while computing log_prob at site '{items[i][0].name}':\n{e}"
+        ) from e
+    for (s, _), (full, path, score) in zip(items, out):
+        if score is None:  # fallen back: the ordinary parts
+            s.parts = None
+            continue
+        s.parts = PathwiseParts(path.log_prob, full.score_function, path.entropy_term)
+        s.score = score
+
+
+def _structured(owner, sites: list[RunSite]) -> None:
+    """Pathwise parts of a structured guide's sites (its auxiliary draws and Deltas)."""
+    records = {s.name: _Record(s.value, s.fn) for s in sites}
+    try:
+        parts = structured_pathwise(owner, records)
+    except StructuredNotSupported as e:
+        raise ValueError(str(e)) from None
+    by_name = {s.name: s for s in sites}
+    for name, (lp, point) in parts.items():
+        site = by_name[name]
+        site.owner, site.point = owner, point
+        if lp is not None:
+            site.parts = PathwiseParts(lp, 0, lp)
+
+
+def _check_auxiliary_links(sites: list[RunSite], items, earlier, nodes) -> None:
+    """Raise if a site's density reads an auxiliary Delta whose value depends on parameters directly.
+
+    In ``w = sample("w", Delta(c + d * z0), infer={"is_auxiliary": True})`` read by
+    ``z2 ~ q(. | w)``, ``w`` is no latent of the model: ``c`` and ``d`` are parameters
+    of the conditional density ``q(z2 | z0)``. Its pathwise part holds them fixed, but
+    the split treats ``w`` as a sample, and the gradient it sends to ``w`` would reach
+    ``c`` and ``d`` through ``w``'s value: part of the score part, kept silently.
+    Computing ``c + d * z0`` inside the guide without a sample site gives the exact split.
+    """
+    aux = {
+        nodes[s.value.grad_fn]: s
+        for s in sites
+        if s.auxiliary
+        and s.owner is None
+        and delta_base(s.fn) is not None
+        and torch.is_tensor(s.value)
+        and s.value.grad_fn in nodes
+        and reaches_leaf_directly(
+            s.value, stop_nodes={n: i for n, i in nodes.items() if i < s.index}
+        )
+    }
+    if not aux:
+        return
+    for s, c in items:
+        if delta_base(s.fn) is not None or s.score is None or not s.score.requires_grad:
+            continue
+        ups = [earlier[i] for i in c.upstream]
+        for j in reached(s.score, ups):
+            w = aux.get(c.upstream[j])
+            if w is not None:
+                raise ValueError(
+                    f"guide site '{s.name}' reads the auxiliary Delta site '{w.name}', whose "
+                    "value depends on the guide's parameters directly: those parameters are "
+                    f"parameters of '{s.name}''s conditional density, whose pathwise part "
+                    f"holds them fixed, but the path through '{w.name}''s value would keep "
+                    "them (part of the score part, so the estimator would not stick the "
+                    f"landing). Compute '{w.name}''s value in the guide without a sample site "
+                    "(the split then keeps only the path through the draws it reads), or use "
+                    "pyro_gradroute.infer.Trace_ELBO with this guide."
+                )

@@ -284,7 +284,7 @@ def _hand(c: Cell, model, guide, rws: bool):
 
 
 def _is_delta(fn) -> bool:
-    from pyro_gradroute.distributions import is_delta
+    from pyro_gradroute.distributions.detached import is_delta
 
     return is_delta(fn)
 

@@ -36,6 +36,7 @@ from pyro_gradroute._compat import transform_attrs, transform_cache
 from pyro_gradroute.infer import TraceAdaptiveSTL_ELBO, TraceDReG_ELBO, TraceSTL_ELBO
 from pyro_gradroute.poutine import stick_the_landing
 from tests.distributions.test_flow_pathwise import _Cube  # a transform with no rule and no inverse
+from tests.infer.general_split import GeneralSplitSTL
 
 D, N_OBS, K, B = 4, 3, 3, 0.3  # latent dim, observations, particles, the adaptive weight
 X = torch.linspace(-1.0, 1.5, N_OBS * D, dtype=torch.float64).reshape(N_OBS, D)
@@ -250,15 +251,15 @@ def _close(a, b):
     torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10 * max(1.0, b.abs().max().item()))
 
 
-def _stl(general=False, guide=None, adaptive=False):
+def _stl(general=False, adaptive=False):
     if adaptive:
         elbo = TraceAdaptiveSTL_ELBO(
             num_particles=K, vectorize_particles=True, max_plate_nesting=1, fixed_weight=B
         )
+    elif general:
+        elbo = GeneralSplitSTL(num_particles=K, vectorize_particles=True, max_plate_nesting=1)
     else:
         elbo = TraceSTL_ELBO(num_particles=K, vectorize_particles=True, max_plate_nesting=1)
-    if general:
-        elbo._policy.mark(guide, general=True)
     return elbo
 
 
@@ -283,10 +284,9 @@ def test_stl_default_path_equals_explicit_jacobian_and_general_split(name, neste
     for seed in (0, 1):
         elbo = _stl()
         loss, g = _grads(lambda e=elbo: e.loss_and_grads(model, guide), seed)
-        assert elbo._policy.needs_general(guide) is False  # the default path
         ref_loss, ref = _reference(model, guide, seed, "stl")
         _close(g, ref)
-        general = _stl(True, guide)
+        general = _stl(True)
         gen_loss, gen = _grads(lambda e=general: e.loss_and_grads(model, guide), seed)
         _close(g, gen)
         pyro.set_rng_seed(seed)
@@ -298,14 +298,11 @@ def test_stl_default_path_equals_explicit_jacobian_and_general_split(name, neste
 @pytest.mark.parametrize("name", NAMES)
 def test_handler_default_path_equals_explicit_jacobian_and_general_split(name):
     model, guide = _build(name)
-    msngr = stick_the_landing()
-    fast = msngr(guide)
+    fast = stick_the_landing(guide)
     elbo = _pyro_trace()
-    _grads(lambda: elbo.loss_and_grads(model, fast), 5)  # the learning (general) run
-    assert msngr._fast and msngr._flows  # the default path from now on
     for seed in (1,):
         _, g = _grads(lambda: elbo.loss_and_grads(model, fast), seed)
-        _, gen = _grads(lambda: elbo.loss_and_grads(model, stick_the_landing(guide)), seed)
+        _, gen = _grads(lambda: _stl(True).loss_and_grads(model, guide), seed)
         _, ref = _reference(model, guide, seed, "stl")
         _close(g, ref)
         _close(g, gen)
@@ -320,13 +317,9 @@ def test_adaptive_default_path_equals_the_fixed_mix_of_references(name):
     for seed in (1,):
         elbo = _stl(adaptive=True)
         _, g = _grads(lambda e=elbo: e.loss_and_grads(model, guide), seed)
-        assert elbo._policy.needs_general(guide) is False
-        general = _stl(True, guide, adaptive=True)
-        _, gen = _grads(lambda e=general: e.loss_and_grads(model, guide), seed)
         _, stl_ref = _reference(model, guide, seed, "stl")
         _, trace = _grads(lambda: _pyro_trace().loss_and_grads(model, guide), seed)
         _close(g, (1 - B) * stl_ref + B * trace)
-        _close(g, gen)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -387,28 +380,24 @@ def _path_guide(kind):
 def test_each_flow_guide_takes_the_expected_path(kind, general):
     model, guide = _path_guide(kind)
     elbo = TraceSTL_ELBO(max_plate_nesting=1)
-    forced = TraceSTL_ELBO(max_plate_nesting=1)
-    forced._policy.mark(guide, general=True)
+    forced = GeneralSplitSTL(max_plate_nesting=1)
     pyro.set_rng_seed(0)
     guide()  # the parameters
     with warnings.catch_warnings(record=True) as caught:  # (no rule: the ordinary gradient)
         warnings.simplefilter("always")
         fast, gen = (_grads(lambda e=e: e.loss_and_grads(model, guide), 3) for e in (elbo, forced))
     assert any("cannot be split" in str(w.message) for w in caught) is (kind == "no rule")
-    assert elbo._policy.needs_general(guide) is general
     assert fast[0] == gen[0]
     _close(fast[1], gen[1])
-    # the handler: after its learning run, the default path (no split node) or the general one
-    msngr = stick_the_landing()
-    wrapped = msngr(guide)
+    # the handler: the default path (no split node), or the split node
+    wrapped = stick_the_landing(guide)
     for _ in range(2):
         pyro.set_rng_seed(0)
         tr = poutine.trace(wrapped).get_trace()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore" if kind == "no rule" else "error")
             tr.compute_log_prob()
-    assert msngr._fast is not general
-    # the general split's node; none on the default path, nor where the split falls back to
+    # the split node; none on the default path, nor where the split falls back to
     # the ordinary gradient (no rule and no inverse: with a warning)
     split = general and kind != "no rule"
     assert _custom_nodes(tr.nodes["z"]["log_prob"]) == ({"split"} if split else set())
@@ -432,7 +421,7 @@ def test_a_transform_cache_is_no_parameter_of_a_flow():
     """A parameter-free transform whose cache holds a draw computed from parameters holds no
     parameter of its own; such a site is no flow (the detached copy takes it)."""
     from pyro_gradroute.distributions import flows
-    from pyro_gradroute.poutine.pathwise import NeedsGeneralSplit, flow_pathwise
+    from pyro_gradroute.poutine.pathwise import _flow_pathwise
 
     loc = torch.zeros(2, requires_grad=True)
     t = SigmoidTransform(cache_size=1)
@@ -442,8 +431,7 @@ def test_a_transform_cache_is_no_parameter_of_a_flow():
     assert flows.holds_params(AffineTransform(loc, 1.0))
     q = dist.TransformedDistribution(dist.Normal(loc, 1.0).to_event(1), [t])
     z = q.rsample()
-    with pytest.raises(NeedsGeneralSplit):
-        flow_pathwise("u", q, z, {})
+    assert _flow_pathwise("u", q, z, {}) is None  # (the detached copy takes it)
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")  # Pyro's JIT tracer warnings
@@ -451,15 +439,12 @@ def test_the_handler_under_the_jit_takes_the_general_split_for_flows():
     """A handler on the default path with a flow, then traced by the JIT: the general split
     (the forward rules cannot be traced), equal to the non-JIT step on the same draw."""
     model, guide = _build("affine_autoregressive")
-    msngr = stick_the_landing()
-    wrapped = msngr(guide)
+    wrapped = stick_the_landing(guide)
     elbo = PyroTrace_ELBO(max_plate_nesting=1)
     for seed in (0, 1):
         _, g = _grads(lambda: elbo.loss_and_grads(model, wrapped), seed)
-    assert msngr._fast and msngr._flows
     jit = pyro.infer.JitTrace_ELBO(max_plate_nesting=1)
     _grads(lambda: jit.loss_and_grads(model, wrapped), 0)  # compiles (two runs of the guide)
-    assert not msngr._fast
     _, gj = _grads(lambda: jit.loss_and_grads(model, wrapped), 1)  # the traced program
     _close(gj, g)
 
@@ -482,9 +467,8 @@ def test_shapes_of_a_batch_of_flow_sites():
     pyro.set_rng_seed(0)
     guide()
     fast = TraceSTL_ELBO(num_particles=K, vectorize_particles=True, max_plate_nesting=1)
-    general = TraceSTL_ELBO(num_particles=K, vectorize_particles=True, max_plate_nesting=1)
-    general._policy.mark(guide, general=True)
+    general = GeneralSplitSTL(num_particles=K, vectorize_particles=True, max_plate_nesting=1)
     lf, gf = _grads(lambda: fast.loss_and_grads(model, guide), 2)
     lg, gg = _grads(lambda: general.loss_and_grads(model, guide), 2)
-    assert fast._policy.needs_general(guide) is False and lf == lg
+    assert lf == lg
     _close(gf, gg)

@@ -8,7 +8,8 @@ from pyro import infer as pinfer
 from pyro.nn import PyroModule
 
 from pyro_gradroute import infer as rinfer
-from pyro_gradroute.poutine import GatedDistribution, block_grad
+from pyro_gradroute.poutine import block_grad
+from pyro_gradroute.poutine.gated_distribution import GatedDistribution
 from pyro_gradroute.poutine.resolve import BlockSpec
 
 from ..routing.reference import assert_rel_close, naive_grads
