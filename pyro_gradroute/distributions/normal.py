@@ -24,6 +24,7 @@ from pyro.distributions.torch_distribution import ExpandedDistribution, MaskedDi
 from pyro.distributions.util import scale_and_mask
 from pyro.poutine.util import site_is_subsample
 from torch.distributions import Independent, Normal, TransformedDistribution
+from torch.distributions.transforms import ComposeTransform
 
 from ..routing import passes_product, reached_nodes, reaches_leaf_directly
 
@@ -61,6 +62,14 @@ def plain_normal(fn) -> tuple[Normal | None, int]:
     return None, 0
 
 
+def _flat(transforms) -> list:
+    """The transforms of a chain with every ``ComposeTransform`` expanded into its parts."""
+    out = []
+    for t in transforms:
+        out.extend(_flat(t.parts) if isinstance(t, ComposeTransform) else [t])
+    return out
+
+
 def normal_pushforward(fn) -> tuple[Normal | None, int, list]:
     r"""``(base, event_ndims, transforms)``: :func:`plain_normal`, or a ``Normal`` pushed forward
     by elementwise, bijective, parameter-free transforms (``LogNormal``, ``biject_to``'s
@@ -84,7 +93,8 @@ def normal_pushforward(fn) -> tuple[Normal | None, int, list]:
             isinstance(fn, TransformedDistribution)
             and type(fn).log_prob is TransformedDistribution.log_prob
         ):
-            for t in fn.transforms:
+            parts = _flat(fn.transforms)
+            for t in parts:
                 if not (
                     t.bijective
                     and t.domain.event_dim == 0
@@ -92,7 +102,7 @@ def normal_pushforward(fn) -> tuple[Normal | None, int, list]:
                     and not any(torch.is_tensor(v) and v.requires_grad for v in vars(t).values())
                 ):
                     return None, 0, []
-            transforms = list(fn.transforms) + transforms
+            transforms = parts + transforms
             fn = fn.base_dist
         else:
             base, m = plain_normal(fn)
