@@ -242,3 +242,32 @@ def write_results(path: str | None, tables: list[str] | None = None, header: str
     body = "\n\n".join(TABLES if tables is None else tables)
     out.write_text(f"{header or results_header()}\n\n{body}\n")
     print(f"results in {out}")
+
+
+def add_results_argument(parser) -> None:
+    """``--results PATH``: the run's tables, as Markdown, into ``PATH`` (see :func:`recording`)."""
+    parser.add_argument(
+        "--results",
+        default=None,
+        help="write the tables as Markdown to this file (e.g. docs/results/NAME.md), under a "
+        "line with the command, date, git commit and machine load",
+    )
+
+
+class recording:
+    """``with recording(path, argv): ...``: the tables :func:`print_table` shows inside go to
+    ``path`` at the end (nothing without a path; the header's load is the start's)."""
+
+    def __init__(self, path: str | None, argv: list[str] | None = None):
+        import sys
+
+        self.path = path
+        self.header = results_header(None if argv is None else [sys.argv[0], *argv])
+
+    def __enter__(self):
+        self.start = len(TABLES)
+        return self
+
+    def __exit__(self, exc_type, *exc):
+        if exc_type is None:
+            write_results(self.path, TABLES[self.start :], self.header)
