@@ -33,7 +33,8 @@ for the mixture), ``stl`` (``TraceSTL_ELBO``; for the mixture Pyro's ``TraceEnum
 the guide under ``stick_the_landing``), ``trace->stl`` (``TraceSTL_ELBO(trace_steps=N)``
 with N 30% of the steps: ``Trace_ELBO``'s gradient first, then STL), ``adaptive``
 (``TraceAdaptiveSTL_ELBO()`` with its defaults; for the mixture ``TraceEnumAdaptiveSTL_ELBO``,
-the same estimator over ``TraceEnum_ELBO``), ``switch`` (the measured switch:
+the same estimator over ``TraceEnum_ELBO``), ``adaptive-elem`` (its prototype with the
+per-element endpoint rule, ``benchmarks/_rule_proto.py``; not for the mixture), ``switch`` (the measured switch:
 ``TraceAdaptiveSTL_ELBO(mix_gain=math.inf)``, ``Trace_ELBO`` first, STL once its measured second
 moment is the lower, never a mix), ``stl-switch`` (Pyro's ``Trace_ELBO``, ``TraceEnum_ELBO`` for
 the mixture, with ``stick_the_landing(guide, switch="measured")``: the handler's measured
@@ -102,6 +103,7 @@ from _common import (
     results_header,
     write_results,
 )
+from _rule_proto import TraceAdaptiveSTLPerElement_ELBO
 from pyro import poutine
 from pyro.infer import SVI, RenyiELBO, Trace_ELBO, TraceEnum_ELBO, config_enumerate
 from pyro.infer.autoguide import AutoDiagonalNormal, AutoLowRankMultivariateNormal, AutoNormal
@@ -438,6 +440,11 @@ def _switch(p: Problem):
     return TraceAdaptiveSTL_ELBO(mix_gain=math.inf), p.guide
 
 
+def _per_element(p: Problem):
+    """The per-element endpoint rule's prototype (``_rule_proto.py``; no enumerated models)."""
+    return None if p.enum else (TraceAdaptiveSTLPerElement_ELBO(), p.guide)
+
+
 def _handler_switch(p: Problem):
     """Pyro's own ``Trace_ELBO`` (``TraceEnum_ELBO``) with ``stick_the_landing(guide, switch="measured")``."""
     elbo = _trace(p)[0]
@@ -451,6 +458,7 @@ ESTIMATORS: dict[str, tuple[Callable, set | None]] = {
     "trace->stl": (_trace_steps(0.3), None),
     "adaptive": (_always(_adaptive), None),
     "switch": (_always(_switch), None),
+    "adaptive-elem": (_always(_per_element), None),
     "stl-switch": (_always(_handler_switch), None),
     "iwae": (
         _always(
