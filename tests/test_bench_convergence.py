@@ -181,3 +181,38 @@ def test_a_tiny_run_writes_the_results_file_with_its_header(bench, tmp_path):
     lines = [ln for ln in rest.splitlines() if ln.startswith("|")]
     assert "to trace's result" in lines[0]
     assert [ln.split("|")[2].strip() for ln in lines[2:]] == ["trace", "stl"]
+
+
+def test_per_element_endpoint_rule_is_the_better_endpoint_per_element(bench):
+    """The prototype rule (benchmarks/_rule_proto.py): its cheap weights take, element by
+    element, the endpoint of the lower second moment, so its predicted S is at most the better
+    whole estimator's; a whole estimator only where every element agrees."""
+    import torch
+    from _rule_proto import per_element_endpoint_rule, second_moment
+
+    g = torch.Generator().manual_seed(0)
+    n = 50
+    mean_p = torch.randn(n, generator=g)
+    var_p = torch.rand(n, generator=g) + 0.1
+    var_c = torch.rand(n, generator=g) + 0.1
+    cov = (torch.rand(n, generator=g) * 2 - 1) * (var_p * var_c).sqrt()  # |corr| <= 1
+    b_star = -cov / var_c
+    end = (b_star >= 0.5).to(var_c.dtype)
+    assert 0 < int(end.sum()) < n  # both endpoints occur
+    out = per_element_endpoint_rule(mean_p, var_p, cov, var_c, b_star, end, 2.0)
+    # naive: per element, Var at each endpoint
+    v0, v1 = var_p, var_p + 2 * cov + var_c
+    s_e = float(mean_p.square().sum() + torch.minimum(v0, v1).sum())
+    s_opt = float(mean_p.square().sum() + (var_p - cov.square() / var_c).sum())
+    assert second_moment(mean_p, var_p, cov, var_c, end) == pytest.approx(s_e, rel=1e-6)
+    assert out["ratio"] == pytest.approx(s_e / s_opt, rel=1e-6)
+    whole = min(float(mean_p.square().sum() + v0.sum()), float(mean_p.square().sum() + v1.sum()))
+    assert out["ratio_whole"] == pytest.approx(whole / s_opt, rel=1e-6)
+    assert s_e <= whole
+    assert out["cheap"] and out["direct"] is None and torch.equal(out["b"], end)
+    # a mix that gains more than mix_gain: measured steps apply it
+    tight = per_element_endpoint_rule(mean_p, var_p, cov, var_c, b_star, end, 1.0)
+    assert not tight["cheap"] and torch.equal(tight["b"], b_star)
+    # every element at STL: a whole STL step
+    zeros = torch.zeros(n)
+    assert per_element_endpoint_rule(mean_p, var_p, cov, var_c, b_star, zeros, 100.0)["direct"] == 0
