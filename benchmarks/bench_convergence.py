@@ -55,12 +55,12 @@ Reported per model x estimator, over the seeds:
   at which the smoothed ELBO first reaches ``Trace_ELBO``'s final ELBO minus its SE, as a
   fraction of ``Trace_ELBO``'s total training CPU time on the same seed: the median over the
   seeds that reach it, their range and ``n/N`` reached; "not reached" where none does. The
-  smoothed ELBO is the mean of the last three evaluations (every ``1/evals`` of the steps, each
-  ``eval_draws`` draws of its own, the same for every estimator of a seed); ``Trace_ELBO``'s
-  final ELBO is the ``final_draws`` one of the seed, its SE the standard error across the seeds
-  (the ``±`` of its row). An estimator reads its smoothed ELBO at an evaluation's time, so a
-  fraction below 1 is a saving; ``Trace_ELBO``'s own row reads its smoothed curve too (which
-  lags a curve still rising at the end: it may not reach its own result);
+  smoothed ELBO at an evaluation is the mean of it and its two neighbours (evaluations every
+  ``1/evals`` of the steps, each ``eval_draws`` draws of its own, the same for every estimator
+  of a seed); ``Trace_ELBO``'s final ELBO is the ``final_draws`` one of the seed, its SE the
+  standard error across the seeds (the ``±`` of its row). A fraction below 1 is a saving, one
+  above 1 an estimator whose steps cost more that gets there at its end; ``Trace_ELBO``'s own
+  row reads its smoothed curve too (near 1, or "not reached" on a curve still rising);
 * ``d @ equal time``: the ELBO (``final_draws``, common random numbers) at ``Trace_ELBO``'s
   total training CPU time, minus ``Trace_ELBO``'s final ELBO (paired, mean and SE). The
   parameters are kept every 2% of the steps; the two kept around that time are evaluated and
@@ -636,16 +636,17 @@ def _at_time(history, cpu: float) -> float:
     return history[-1][2]
 
 
-#: evaluations the smoothed ELBO averages (the last ones up to a point)
-SMOOTH = 3
+#: evaluations on either side of a point that the smoothed ELBO averages
+SMOOTH = 1
 
 
 def smoothed(history) -> list[tuple[float, float]]:
     """``(cpu, smoothed ELBO)`` at each evaluation of ``(step, cpu, ELBO)`` points: the mean of
-    the last :data:`SMOOTH` evaluations up to it (fewer at the start)."""
+    the evaluations within :data:`SMOOTH` of it (a centred window: no lag on a straight rise;
+    at the ends, the points there are)."""
     out = []
     for i, (_, c, _) in enumerate(history):
-        window = [e for _, _, e in history[max(0, i - SMOOTH + 1) : i + 1]]
+        window = [e for _, _, e in history[max(0, i - SMOOTH) : i + SMOOTH + 1]]
         out.append((c, sum(window) / len(window)))
     return out
 
@@ -727,6 +728,22 @@ _WARM = {"steps": lambda m, s: 5, "evals": 1, "eval_draws": 2, "final_draws": 2,
          "heldout_draws": 2}  # fmt: skip
 
 
+def _resummarize(path: str, results: str | None, header: str) -> None:
+    """The table of a saved run (``--json``), summarized by this code, into ``results`` (the
+    run's own header line kept where that file has one)."""
+    with open(path) as f:
+        saved = json.load(f)
+    rows = summarize(saved["runs"])
+    table = markdown(rows)
+    print(table)
+    if results:
+        p = Path(results)
+        first = p.read_text().split("\n", 1)[0] if p.exists() else ""
+        if first.startswith("Command:"):
+            header = f"{first}\n\nTable re-summarized from the run's JSON: {header}"
+        write_results(results, [table], header)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     mode = ap.add_mutually_exclusive_group()
@@ -741,8 +758,12 @@ def main(argv: list[str] | None = None) -> None:
                     "with --quick docs/results/convergence-quick.md; '' writes none)")  # fmt: skip
     ap.add_argument("--steps", type=int, default=None, help="every model's steps (a smoke run)")
     ap.add_argument("--final-draws", type=int, default=None, help="draws of the final ELBO")
+    ap.add_argument("--from-json", default=None,
+                    help="re-summarize a saved run's JSON (no training): its table to --results")  # fmt: skip
     args = ap.parse_args(argv)
     header = results_header(None if argv is None else [__file__, *argv])
+    if args.from_json:
+        return _resummarize(args.from_json, args.results, header)
     if args.results is None:
         name = "convergence-quick.md" if args.quick else "convergence.md"
         args.results = str(Path(__file__).resolve().parent.parent / "docs" / "results" / name)

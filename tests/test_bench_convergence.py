@@ -90,12 +90,14 @@ def test_lockstep_runs_start_alike_and_evaluate_on_common_random_numbers(bench):
     assert a["elbo_eq_time"] == a["elbo"]
 
 
-def test_smoothed_elbo_is_the_mean_of_the_last_evaluations(bench):
+def test_smoothed_elbo_is_the_mean_of_an_evaluation_and_its_neighbours(bench):
     history = [(10, 1.0, -50.0), (20, 2.0, -40.0), (30, 3.0, -36.0), (40, 4.0, -32.0)]
-    assert bench.SMOOTH == 3
-    assert bench.smoothed(history) == [(1.0, -50.0), (2.0, -45.0), (3.0, -42.0), (4.0, -36.0)]
-    assert bench.time_to_result(history, -42.0) == 3.0  # the first smoothed value that reaches
-    assert bench.time_to_result(history, -35.0) != bench.time_to_result(history, -35.0)  # nan
+    assert bench.SMOOTH == 1
+    assert bench.smoothed(history) == [(1.0, -45.0), (2.0, -42.0), (3.0, -36.0), (4.0, -34.0)]
+    assert bench.time_to_result(history, -40.0) == 3.0  # the first smoothed value that reaches
+    assert bench.time_to_result(history, -33.0) != bench.time_to_result(history, -33.0)  # nan
+    line = [(i, float(i), -10.0 + i) for i in range(6)]  # a straight rise: no lag inside
+    assert [e for _, e in bench.smoothed(line)[1:-1]] == [e for _, _, e in line[1:-1]]
 
 
 def _run(history, elbo, cpu):
@@ -112,8 +114,8 @@ def test_time_to_trace_result_is_a_fraction_of_trace_time_with_its_se(bench):
     base = [_run([(1, 2.0, -10.5), (2, 4.0, -10.0), (3, 8.0, -10.0)], -10.0, 8.0),
             _run([(1, 5.0, -20.0), (2, 10.0, -12.0)], -12.0, 10.0)]  # fmt: skip
     fast = [_run([(1, 2.0, -11.0), (2, 4.0, -11.0)], -9.0, 4.0),  # reaches at 2 s of 8
-            _run([(1, 1.0, -14.0), (2, 2.0, -12.0), (3, 3.0, -12.0)], -12.0, 3.0)]  # fmt: skip
-    # 2nd: smoothed -14, -13 (reaches -13 at 2 s of 10)
+            _run([(1, 1.0, -14.5), (2, 2.0, -12.0), (3, 3.0, -12.0)], -12.0, 3.0)]  # fmt: skip
+    # 2nd: smoothed -13.25, -12.83, -12 (reaches -13 at 2 s of 10)
     never = [_run([(1, 2.0, -30.0), (2, 4.0, -20.0)], -20.0, 4.0)] * 2
     rows = bench.summarize({"m": {"trace": base, "fast": fast, "never": never}})
     by = {r["estimator"]: r for r in rows}
@@ -121,7 +123,7 @@ def test_time_to_trace_result_is_a_fraction_of_trace_time_with_its_se(bench):
     assert by["fast"]["to_result"] == pytest.approx(0.225)
     assert by["fast"]["reached"] == "2/2"
     assert math.isnan(by["never"]["to_result"]) and by["never"]["reached"] == "0/2"
-    # Trace_ELBO's own row: the smoothing lags a curve still rising (its 2nd seed: -20, -16)
+    # Trace_ELBO's own row: its 2nd seed's curve still rises (smoothed -16, -16: not reached)
     assert by["trace"]["to_result"] == pytest.approx(0.25) and by["trace"]["reached"] == "1/2"
     table = bench.markdown(rows)
     assert "to trace's result" in table.splitlines()[0]
@@ -181,6 +183,12 @@ def test_a_tiny_run_writes_the_results_file_with_its_header(bench, tmp_path):
     lines = [ln for ln in rest.splitlines() if ln.startswith("|")]
     assert "to trace's result" in lines[0]
     assert [ln.split("|")[2].strip() for ln in lines[2:]] == ["trace", "stl"]
+    # the saved run re-summarized: the same table, the run's header kept
+    bench.main(["--from-json", str(tmp_path / "c.json"), "--results", str(out)])
+    again = out.read_text()
+    assert again.split("\n", 1)[0] == header
+    assert "re-summarized from the run's JSON" in again
+    assert [ln for ln in again.splitlines() if ln.startswith("|")] == lines
 
 
 def test_per_element_endpoint_rule_is_the_better_endpoint_per_element(bench):
