@@ -57,6 +57,8 @@ steps instead of 1.0: its cost is over-stated here, never under-stated).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from pyro_gradroute.infer import TraceAdaptiveSTL_ELBO
@@ -112,8 +114,30 @@ def per_element_endpoint_rule(
     }
 
 
+def pooled_endpoints(
+    mean_p: torch.Tensor,
+    var_p: torch.Tensor,
+    cov: torch.Tensor,
+    var_c: torch.Tensor,
+    sizes: list[int],
+) -> torch.Tensor:
+    r"""Per element, the endpoint (0.0 STL, 1.0 ``Trace_ELBO``) of the lower second moment
+    summed over its parameter tensor (``sizes``: the tensors' element counts, in order):
+    :math:`e_T = [\sum_{i \in T} \operatorname{Var}_i(1) < \sum_{i \in T} \operatorname{Var}_i(0)]`
+    (ties: STL), i.e. :math:`\sum_{i\in T} 2 \operatorname{Cov}(p_i, c_i) + \operatorname{Var}
+    c_i < 0`."""
+    gain = 2 * cov + var_c  # Var_i(1) - Var_i(0)
+    parts = gain.reshape(-1).split(list(sizes))
+    return torch.cat([(g.sum() < 0).to(gain.dtype).expand(g.numel()) for g in parts])
+
+
 class _PerElementControlVariate(_ControlVariate):
-    """The library's policy with :func:`per_element_endpoint_rule` as its cheap-step rule."""
+    """The library's policy with :func:`per_element_endpoint_rule` as its cheap-step rule:
+    the endpoint per element (``pool="element"``: the point estimate; ``"margin"``: the fit's
+    endpoint, STL where better by ``confidence`` standard errors) or per parameter tensor
+    (``"tensor"``)."""
+
+    pool = "element"
 
     def _fit(self, st: dict) -> dict:
         fit = super()._fit(st)
@@ -126,9 +150,16 @@ class _PerElementControlVariate(_ControlVariate):
         var_c = (st["scc"] / w1 - mc.square()).clamp_min(0)
         # the mix before the library's whole-estimator switch (mix_gain=inf replaces fit["b"])
         b_mix = fit["b"]
-        rule = per_element_endpoint_rule(
-            mp, var_p, cov, var_c, b_mix, fit["endpoint"], self.mix_gain
-        )
+        if self.pool == "tensor":
+            key = next(k for k, v in self.state.items() if v is st)
+            layout = self.layouts.get(key)
+            sizes = [math.prod(shape) for _, shape in layout] if layout else [b_mix.numel()]
+            end = pooled_endpoints(mp, var_p, cov, var_c, sizes).view_as(b_mix)
+        elif self.pool == "element":
+            end = (fit["b_hat"] >= 0.5).to(b_mix.dtype)
+        else:  # "margin": the fit's own endpoint, STL only where better by z standard errors
+            end = fit["endpoint"]
+        rule = per_element_endpoint_rule(mp, var_p, cov, var_c, b_mix, end, self.mix_gain)
         fit.update(b=rule["b"], direct=rule["direct"], ratio=rule["ratio"])
         fit["ratio_whole"] = rule["ratio_whole"]
         return fit
@@ -138,10 +169,11 @@ class TraceAdaptiveSTLPerElement_ELBO(TraceAdaptiveSTL_ELBO):
     """:class:`~pyro_gradroute.infer.TraceAdaptiveSTL_ELBO` with the per-element endpoint rule
     (a benchmark prototype; the same arguments)."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, pool: str = "element", **kwargs):
         super().__init__(*args, **kwargs)
         cv = self._cv
         new = _PerElementControlVariate(
             cv.decay, cv.clip, cv.warmup, cv.center, cv.confidence, cv.fixed_weight, cv.mix_gain
         )
+        new.pool = pool
         self._cv = new

@@ -34,7 +34,10 @@ the guide under ``stick_the_landing``), ``trace->stl`` (``TraceSTL_ELBO(trace_st
 with N 30% of the steps: ``Trace_ELBO``'s gradient first, then STL), ``adaptive``
 (``TraceAdaptiveSTL_ELBO()`` with its defaults; for the mixture ``TraceEnumAdaptiveSTL_ELBO``,
 the same estimator over ``TraceEnum_ELBO``), ``adaptive-elem`` (its prototype with the
-per-element endpoint rule, ``benchmarks/_rule_proto.py``; not for the mixture), ``switch`` (the measured switch:
+per-element endpoint rule, ``benchmarks/_rule_proto.py``; not for the mixture),
+``adaptive-tensor`` (the same with the endpoint pooled per parameter tensor),
+``adaptive-margin`` (the same with the fit's endpoints: STL where better by ``confidence``
+standard errors), ``switch`` (the measured switch:
 ``TraceAdaptiveSTL_ELBO(mix_gain=math.inf)``, ``Trace_ELBO`` first, STL once its measured second
 moment is the lower, never a mix), ``stl-switch`` (Pyro's ``Trace_ELBO``, ``TraceEnum_ELBO`` for
 the mixture, with ``stick_the_landing(guide, switch="measured")``: the handler's measured
@@ -445,6 +448,16 @@ def _per_element(p: Problem):
     return None if p.enum else (TraceAdaptiveSTLPerElement_ELBO(), p.guide)
 
 
+def _per_tensor(p: Problem):
+    """The prototype with the endpoint pooled per parameter tensor (``_rule_proto.py``)."""
+    return None if p.enum else (TraceAdaptiveSTLPerElement_ELBO(pool="tensor"), p.guide)
+
+
+def _per_margin(p: Problem):
+    """The prototype with the fit's margin endpoints (``_rule_proto.py``)."""
+    return None if p.enum else (TraceAdaptiveSTLPerElement_ELBO(pool="margin"), p.guide)
+
+
 def _handler_switch(p: Problem):
     """Pyro's own ``Trace_ELBO`` (``TraceEnum_ELBO``) with ``stick_the_landing(guide, switch="measured")``."""
     elbo = _trace(p)[0]
@@ -459,6 +472,8 @@ ESTIMATORS: dict[str, tuple[Callable, set | None]] = {
     "adaptive": (_always(_adaptive), None),
     "switch": (_always(_switch), None),
     "adaptive-elem": (_always(_per_element), None),
+    "adaptive-tensor": (_always(_per_tensor), None),
+    "adaptive-margin": (_always(_per_margin), None),
     "stl-switch": (_always(_handler_switch), None),
     "iwae": (
         _always(
