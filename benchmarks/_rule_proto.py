@@ -1,4 +1,4 @@
-r"""A prototype of the adaptive policy's cheap-step rule with a per-element endpoint (issue 30).
+r"""A prototype of the adaptive policy's cheap-step rule with a per-tensor endpoint (issue 30).
 
 The library's rule (``_ControlVariate._direct``) decides between a *measured* step that
 applies the fitted per-element weights :math:`b` (the James-Stein mix) and a *direct* step of
@@ -17,43 +17,54 @@ Summed over every element, that whole-estimator choice can put elements whose ow
 endpoint is the other one on the wrong estimator, and it does so silently (up to a factor
 ``mix_gain`` = 2 in total second moment, all of it possibly in a few parameters).
 
-**The rule here.** The cheap candidate is the *per-element* better endpoint,
-:math:`e_i = [\hat b_i \ge 1/2]`: element :math:`i` takes ``Trace_ELBO``'s gradient where its
-predicted second moment is the lower (:math:`S_i(1) \le S_i(0) \iff b^\star_i \ge 1/2`), STL's
-elsewhere. No :math:`z`-margin: an element whose two endpoints are within the noise of
-:math:`\hat b` costs little either way (the excess is :math:`|1 - 2 b^\star_i|
-\operatorname{Var} c_i`), while the margin would keep on ``Trace_ELBO`` the many elements whose
-gain is real but each within :math:`z` standard errors (measured with
-``benchmarks/diagnose_rule.py`` on the low-rank guide of the centered stochastic-volatility
-model, step 2000: the policy's margin endpoints keep 64-89% of each tensor's elements at 1,
-where per-element moments from 100 fresh draws put 85-92% at STL). A step with weights :math:`e` costs
-what a direct step costs (one backward: the score part of element :math:`i` kept where
-:math:`e_i = 1`, cut where :math:`e_i = 0`), and, the moments being exact,
-:math:`S(e) = \lVert \bar p \rVert^2 + \sum_i \min(\cdot)\le \min(S(\mathbf 0),
-S(\mathbf 1))`: it is never worse than the whole endpoint the library takes now:
+**The rule here: the endpoint per parameter tensor.** The cheap candidate is the endpoint
+vector :math:`e` that takes, for each parameter tensor :math:`T` (each guide site's ``loc``
+and ``scale``, or each param-store tensor on the general path), the endpoint of the lower
+second moment summed over that tensor's elements:
+
+.. math::
+
+    e_i = e_T = \Big[\sum_{i \in T} 2 \operatorname{Cov}(p_i, c_i) + \operatorname{Var} c_i
+                < 0\Big] \quad (i \in T),
+
+i.e. ``Trace_ELBO`` for :math:`T` where :math:`\sum_T S_i(1) < \sum_T S_i(0)`, STL elsewhere
+(ties: STL, as now). With exact moments :math:`S(e) \le \min(S(\mathbf 0), S(\mathbf 1))`, so
+it is never worse than the whole endpoint the library takes now; unlike a per-element choice,
+each tensor's decision pools its elements' evidence, as the whole-estimator choice pools
+everything. A step with weights :math:`e` costs what a direct step costs (one backward: the
+score part kept on the tensors at 1, cut on those at 0; on the one-pass path, Pyro's
+``Trace_ELBO`` step with the taps adding :math:`(e - 1) c` and no moments):
 
 .. math::
 
     b = \begin{cases} e & S(e) \le \text{mix\_gain} \cdot S(b_\text{mix}) \\
                       b_\text{mix} & \text{otherwise (a measured step)} \end{cases}
 
-and the step is a whole-estimator direct step only where :math:`e` is constant. Pseudocode,
-where the library's ``_fit`` ends::
+and the step is a whole-estimator direct step where :math:`e` is constant (as now). Pseudocode,
+where the library's ``_fit`` ends (``sizes``: the joint state's layout, which it has)::
 
-    end = (b_hat >= 0.5)                         # per element, the point estimate
+    gain = 2 * cov + var_c                       # Var_i(1) - Var_i(0), per element
+    end = cat([full(n, float(g.sum() < 0)) for g, n in zip(gain.split(sizes), sizes)])
     s_mix, s_end = S(b_mix), S(end)              # from the same moments, as _direct does now
     if s_end <= mix_gain * s_mix:
-        b = end                                  # cheap: one backward with per-element cuts
-        direct = end[0] if all(end == end[0]) else "vector"
+        b = end                                  # cheap: one backward with per-tensor cuts
+        direct = end[0] if all(end == end[0]) else "per-tensor"
     else:
         b, direct = b_mix, None                  # measured steps apply the mix
 
-No new constant: ``mix_gain`` is the policy's (``z`` still shrinks the mix). In this prototype a "vector" step
-is a measured step applying :math:`b = e` (on the one-pass path about 1.1-1.2 ``Trace_ELBO``
-steps instead of 1.0: its cost is over-stated here, never under-stated).
+No new constant: ``mix_gain`` is the policy's. In this prototype a "per-tensor" step is a
+measured step applying :math:`b = e` (on the one-pass path about 1.1-1.2 ``Trace_ELBO`` steps
+instead of 1.0, on the general path 1.3-1.45: its cost is over-stated here, never
+under-stated). ``pool="element"`` (:math:`e_i = [\hat b_i \ge 1/2]`) and ``pool="margin"``
+(the fit's endpoint, STL only where better by ``confidence`` standard errors) are the two
+per-element variants measured against it: both lose to the pooled choices (per-element
+estimates from ~19 effective measured steps are too noisy; the margin keeps 64-89% of the
+low-rank guide's elements on ``Trace_ELBO`` at step 2000 of the centered stochastic-volatility
+model, where 100 fresh draws put 85-92% at STL; ``benchmarks/diagnose_rule.py``).
 
-``per_element_endpoint_rule`` is the rule over plain tensors (moments in, weights out);
-``TraceAdaptiveSTLPerElement_ELBO`` plugs it into the library's estimator for the benchmark.
+``pooled_endpoints`` and ``per_element_endpoint_rule`` are the rule over plain tensors (moments
+in, weights out); ``TraceAdaptiveSTLPerElement_ELBO(pool=...)`` plugs it into the library's
+estimator for the benchmark (``adaptive-tensor``, ``adaptive-elem``, ``adaptive-margin``).
 """
 
 from __future__ import annotations

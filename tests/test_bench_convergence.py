@@ -224,3 +224,23 @@ def test_per_element_endpoint_rule_is_the_better_endpoint_per_element(bench):
     # every element at STL: a whole STL step
     zeros = torch.zeros(n)
     assert per_element_endpoint_rule(mean_p, var_p, cov, var_c, b_star, zeros, 100.0)["direct"] == 0
+
+
+def test_pooled_endpoints_take_each_tensors_better_endpoint(bench):
+    """Per tensor, Trace_ELBO (1) where its second moment summed over the tensor is the lower,
+    STL (0) elsewhere; S of the result is at most either whole estimator's."""
+    import torch
+    from _rule_proto import pooled_endpoints, second_moment
+
+    var_p = torch.tensor([1.0, 1.0, 1.0, 2.0, 2.0])
+    var_c = torch.tensor([1.0, 1.0, 1.0, 1.0, 1.0])
+    # tensor A (3 elements): 2 cov + var_c = -1, -1, +1.5 -> sum -0.5: Trace_ELBO
+    # tensor B (2 elements): +1, -0.5 -> sum 0.5: STL
+    cov = torch.tensor([-1.0, -1.0, 0.25, 0.0, -0.75])
+    end = pooled_endpoints(torch.zeros(5), var_p, cov, var_c, [3, 2])
+    assert end.tolist() == [1.0, 1.0, 1.0, 0.0, 0.0]
+    z = torch.zeros(5)
+    s = second_moment(z, var_p, cov, var_c, end)
+    assert s <= second_moment(z, var_p, cov, var_c, 0.0)
+    assert s <= second_moment(z, var_p, cov, var_c, 1.0)
+    assert s == pytest.approx(float(var_p.sum()) - 0.5)
