@@ -70,6 +70,8 @@ def saved_tensor_bytes(fn: Callable[[], object]) -> int:
 
 
 def print_table(rows: list[tuple], header: tuple) -> None:
+    """Print an aligned table (and keep it, as Markdown, for :func:`write_results`)."""
+    TABLES.append(markdown_table(rows, header))
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     for r in [header, *rows]:
         print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)))
@@ -182,3 +184,90 @@ def bayesian_regression(d: int):
             return mean
 
     return BayesianRegression()
+
+
+# ----------------------------------------------------------------------------- results files
+#: every table print_table has shown, as Markdown (write_results puts them in a file)
+TABLES: list[str] = []
+
+
+def markdown_table(rows: list[tuple], header: tuple) -> str:
+    """A plain Markdown table (``|``-separated, one header line)."""
+    lines = ["| " + " | ".join(str(c) for c in header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def results_header(argv: list[str] | None = None) -> str:
+    """The line a results file opens with: the command, the date (UTC), the git commit (with
+    ``+dirty`` where the work tree differs from it) and the machine's load average."""
+    import datetime
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    argv = sys.argv if argv is None else argv
+    root = Path(__file__).resolve().parent.parent
+
+    def git(*a):
+        try:
+            out = subprocess.run(["git", *a], cwd=root, capture_output=True, text=True, timeout=20)
+            return out.stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    commit = git("rev-parse", "--short", "HEAD") or "unknown"
+    if git("status", "--porcelain", "--untracked-files=no"):
+        commit += "+dirty"
+    script = Path(argv[0]).name if argv else "?"
+    command = " ".join(["python", f"benchmarks/{script}", *argv[1:]])
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    cores = os.cpu_count()
+    return (f"Command: `{command}`; date: {date}; commit: `{commit}`; "
+            f"machine load (1, 5, 15 min): {load} on {cores} cores.")  # fmt: skip
+
+
+def write_results(path: str | None, tables: list[str] | None = None, header: str = "") -> None:
+    """Write ``tables`` (default: every table :func:`print_table` has shown) to ``path`` as
+    Markdown, under the line :func:`results_header` gives (``header`` passed in: the one taken
+    when the run started, so its load is the run's). ``None``: nothing is written."""
+    if not path:
+        return
+    from pathlib import Path
+
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    body = "\n\n".join(TABLES if tables is None else tables)
+    out.write_text(f"{header or results_header()}\n\n{body}\n")
+    print(f"results in {out}")
+
+
+def add_results_argument(parser) -> None:
+    """``--results PATH``: the run's tables, as Markdown, into ``PATH`` (see :func:`recording`)."""
+    parser.add_argument(
+        "--results",
+        default=None,
+        help="write the tables as Markdown to this file (e.g. docs/results/NAME.md), under a "
+        "line with the command, date, git commit and machine load",
+    )
+
+
+class recording:
+    """``with recording(path, argv): ...``: the tables :func:`print_table` shows inside go to
+    ``path`` at the end (nothing without a path; the header's load is the start's)."""
+
+    def __init__(self, path: str | None, argv: list[str] | None = None):
+        import sys
+
+        self.path = path
+        self.header = results_header(None if argv is None else [sys.argv[0], *argv])
+
+    def __enter__(self):
+        self.start = len(TABLES)
+        return self
+
+    def __exit__(self, exc_type, *exc):
+        if exc_type is None:
+            write_results(self.path, TABLES[self.start :], self.header)

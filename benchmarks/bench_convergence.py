@@ -48,10 +48,16 @@ Reported per model x estimator, over the seeds:
 * ``d vs trace``: the paired difference to Pyro's ``Trace_ELBO`` (same seed), mean and SE;
 * ``held-out``: VAE: held-out log p(x) per digit; regression and glm: held-out predictive
   log-likelihood (log of the guide-averaged likelihood, summed over the held-out points);
-* ``t to trace``: CPU seconds of training (``time.thread_time``; evaluation excluded) until
-  the cheap estimate, taken every ``eval_every`` steps, first reaches the cheap estimate of
-  ``Trace_ELBO``'s last evaluation on the same seed (median over the seeds that reach it;
-  ``n/N`` reached);
+* ``to trace's result``: the CPU time of training (``time.thread_time``; evaluation excluded)
+  at which the smoothed ELBO first reaches ``Trace_ELBO``'s final ELBO minus its SE, as a
+  fraction of ``Trace_ELBO``'s total training CPU time on the same seed: the median over the
+  seeds that reach it, their range and ``n/N`` reached; "not reached" where none does. The
+  smoothed ELBO at an evaluation is the mean of it and its two neighbours (evaluations every
+  ``1/evals`` of the steps, each ``eval_draws`` draws of its own, the same for every estimator
+  of a seed); ``Trace_ELBO``'s final ELBO is the ``final_draws`` one of the seed, its SE the
+  standard error across the seeds (the ``±`` of its row). A fraction below 1 is a saving, one
+  above 1 an estimator whose steps cost more that gets there at its end; ``Trace_ELBO``'s own
+  row reads its smoothed curve too (near 1, or "not reached" on a curve still rising);
 * ``d @ equal time``: the ELBO (``final_draws``, common random numbers) at ``Trace_ELBO``'s
   total training CPU time, minus ``Trace_ELBO``'s final ELBO (paired, mean and SE). The
   parameters are kept every 2% of the steps; the two kept around that time are evaluated and
@@ -62,8 +68,10 @@ Reported per model x estimator, over the seeds:
 
 ``--quick``: 5 seeds, 30% of each model's steps (``trace->stl`` switches at 30% of those),
 300 final draws (the VAE: 3 per training digit, its steps 150 and held-out 50 draws),
-evaluations every 10% of the steps with 10 draws. ``--full``: 5 seeds, the script's steps,
-2000 final draws, every 50 steps. One torch thread throughout; before a model's timed runs,
+evaluations every 5% of the steps with 10 draws. ``--full``: 5 seeds, the script's steps,
+2000 final draws, evaluations every 2% of the steps with 10 draws. The table goes to
+``docs/results/convergence.md`` (``--quick``: ``convergence-quick.md``; ``--results PATH``
+elsewhere), under a line with the command, date, git commit and machine load. One torch thread throughout; before a model's timed runs,
 five untimed steps of each estimator (the process's first-call costs).
 """
 
@@ -73,18 +81,28 @@ import argparse
 import bisect
 import json
 import math
+import os
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import pyro
 import pyro.distributions as dist
 import torch
-from _common import ES_SIGMA, ES_Y, bayesian_regression, es_guide, es_model
+from _common import (
+    ES_SIGMA,
+    ES_Y,
+    bayesian_regression,
+    es_guide,
+    es_model,
+    results_header,
+    write_results,
+)
 from pyro import poutine
 from pyro.infer import SVI, RenyiELBO, Trace_ELBO, TraceEnum_ELBO, config_enumerate
-from pyro.infer.autoguide import AutoDiagonalNormal, AutoNormal
+from pyro.infer.autoguide import AutoDiagonalNormal, AutoLowRankMultivariateNormal, AutoNormal
 
 from pyro_gradroute.infer import (
     TraceAdaptiveSTL_ELBO,
@@ -223,6 +241,101 @@ def stoch_vol(seed: int) -> Problem:
     return Problem(model, AutoNormal(model), (y,), 1000, 0.01, max_plate_nesting=0)
 
 
+class AR1(dist.TorchDistribution):
+    r"""A stationary Gaussian AR(1) path of length ``T`` as one event:
+    :math:`h_1 \sim N(\mu, \sigma^2 / (1 - \phi^2))`,
+    :math:`h_t \sim N(\mu + \phi (h_{t-1} - \mu), \sigma^2)`."""
+
+    arg_constraints = {
+        "loc": dist.constraints.real,
+        "persistence": dist.constraints.interval(-1.0, 1.0),
+        "scale": dist.constraints.positive,
+    }
+    support = dist.constraints.real_vector
+
+    def __init__(self, mean, persistence, scale, T: int, validate_args=None):
+        self.loc, self.persistence, self.scale = torch.broadcast_tensors(
+            torch.as_tensor(mean), torch.as_tensor(persistence), torch.as_tensor(scale)
+        )
+        self.T = T
+        super().__init__(self.loc.shape, torch.Size([T]), validate_args=validate_args)
+
+    def expand(self, batch_shape, _instance=None):
+        shape = torch.Size(batch_shape)
+        return AR1(self.loc.expand(shape), self.persistence.expand(shape),
+                   self.scale.expand(shape), self.T)  # fmt: skip
+
+    def sample(self, sample_shape=()):
+        shape = self._extended_shape(torch.Size(sample_shape))[:-1]
+        m, phi, s = (x.expand(shape) for x in (self.loc, self.persistence, self.scale))
+        with torch.no_grad():
+            h = m + s / (1 - phi**2).sqrt() * torch.randn(shape, dtype=m.dtype, device=m.device)
+            hs = [h]
+            for _ in range(self.T - 1):
+                h = m + phi * (h - m) + s * torch.randn(shape, dtype=m.dtype, device=m.device)
+                hs.append(h)
+        return torch.stack(hs, -1)
+
+    def log_prob(self, value):
+        m, phi, s = (x.unsqueeze(-1) for x in (self.loc, self.persistence, self.scale))
+        first = dist.Normal(m[..., 0], s[..., 0] / (1 - phi[..., 0] ** 2).sqrt())
+        rest = dist.Normal(m + phi * (value[..., :-1] - m), s)
+        return first.log_prob(value[..., 0]) + rest.log_prob(value[..., 1:]).sum(-1)
+
+
+class _Persistence(dist.TransformedDistribution):
+    """``2 * Beta(a, b) - 1`` on its support ``(-1, 1)`` (a plain affine transform would
+    declare the whole real line: the guide's unconstrained draws could leave ``(-1, 1)``)."""
+
+    support = dist.constraints.interval(-1.0, 1.0)
+
+
+def _sv_centered_model(T: int):
+    def model(y):
+        persistence = pyro.sample(
+            "persistence",
+            _Persistence(dist.Beta(20.0, 1.5), dist.transforms.AffineTransform(-1.0, 2.0)),
+        )
+        mean_log_vol = pyro.sample("mean_log_vol", dist.Cauchy(0.0, 5.0))
+        shock_scale = pyro.sample("shock_scale", dist.HalfCauchy(2.0))
+        log_vol = pyro.sample("log_vol", AR1(mean_log_vol, persistence, shock_scale, T))
+        pyro.sample("returns", dist.Normal(0.0, (log_vol / 2).exp()).to_event(1), obs=y)
+
+    return model
+
+
+#: the prior draw of the centered model's data (seed 3: persistence 0.89, mean log-volatility
+#: 5.17, shock scale 0.71; its ELBO's scale, about -600, is the issue's)
+SV_DATA_SEED = 3
+
+
+def _sv_centered_data(T: int = 100) -> torch.Tensor:
+    """Returns drawn from the centered model's prior itself (fixed seed, the global RNG
+    restored)."""
+    with torch.random.fork_rng(devices=[]):
+        pyro.set_rng_seed(SV_DATA_SEED)
+        trace = poutine.trace(_sv_centered_model(T)).get_trace(None)
+    return trace.nodes["returns"]["value"].detach()
+
+
+def stoch_vol_centered(seed: int) -> Problem:
+    """The centered stochastic-volatility model (issue 30): persistence ~ 2 Beta(20, 1.5) - 1,
+    mean_log_vol ~ Cauchy(0, 5), shock_scale ~ HalfCauchy(2), log_vol a stationary AR(1) path
+    of 100 (one event: 103 latents), returns ~ Normal(0, exp(log_vol / 2)); AutoNormal at
+    Pyro's default init, Adam lr 0.05, 5000 steps."""
+    model = _sv_centered_model(100)
+    return Problem(model, AutoNormal(model), (_sv_centered_data(100),), 5000, 0.05,
+                   max_plate_nesting=0)  # fmt: skip
+
+
+def stoch_vol_centered_lowrank(seed: int) -> Problem:
+    """:func:`stoch_vol_centered` with ``AutoLowRankMultivariateNormal`` (Pyro's default rank
+    and init)."""
+    model = _sv_centered_model(100)
+    return Problem(model, AutoLowRankMultivariateNormal(model), (_sv_centered_data(100),), 5000,
+                   0.05, max_plate_nesting=0)  # fmt: skip
+
+
 def glm(seed: int) -> Problem:
     G, n_per, P = 20, 20, 3
     g = torch.Generator().manual_seed(3)
@@ -256,6 +369,8 @@ MODELS: dict[str, Callable[[int], Problem]] = {
     "vae": vae,
     "gmm": gmm,
     "stoch_vol": stoch_vol,
+    "sv_centered": stoch_vol_centered,
+    "sv_centered_lowrank": stoch_vol_centered_lowrank,
     "glm": glm,
 }
 
@@ -345,15 +460,16 @@ ESTIMATORS: dict[str, tuple[Callable, set | None]] = {
 
 
 # ----------------------------------------------------------------------------- measuring
-def elbo_estimate(p: Problem, draws: int, seed: int = 0) -> float:
+def elbo_estimate(p: Problem, draws: int, seed: int = 0, stream: int = 0) -> float:
     """Mean of ``log p(x, z) - log q(z)`` over ``draws`` guide draws (no gradients).
 
-    The draws come from their own generator state (``seed``), so every estimator's guide is
-    scored on the same random numbers (common random numbers: paired estimates) and the
-    training run's random stream is left as it was.
+    The draws come from their own generator state (``seed``, ``stream``: the final estimate
+    0, the ``k``-th evaluation ``k``), so every estimator's guide is scored on the same random
+    numbers (common random numbers: paired estimates), successive evaluations on independent
+    ones, and the training run's random stream is left as it was.
     """
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(10_000 + seed)
+        torch.manual_seed(10_000 + seed + 100_000 * stream)
         if p.final is not None:
             return p.final(max(1, draws // 100))  # per digit: a draw for each training digit
         with torch.no_grad():
@@ -452,7 +568,10 @@ def run_seed(model: str, ests: list[str], seed: int, cfg: dict) -> dict:
                 if (step + 1) % snap_every == 0 or step + 1 == steps:
                     r.snapshot()
                 if (step + 1) % every == 0 or step + 1 == steps:
-                    r.history.append((step + 1, r.cpu, elbo_estimate(r.p, cfg["eval_draws"], seed)))
+                    k = len(r.history) + 1  # the evaluation's own draws (the same for every run)
+                    r.history.append(
+                        (step + 1, r.cpu, elbo_estimate(r.p, cfg["eval_draws"], seed, k))
+                    )
     out = {}
     base = runs.get("trace")
     for est, r in runs.items():
@@ -500,6 +619,27 @@ def _at_time(history, cpu: float) -> float:
     return history[-1][2]
 
 
+#: evaluations on either side of a point that the smoothed ELBO averages
+SMOOTH = 1
+
+
+def smoothed(history) -> list[tuple[float, float]]:
+    """``(cpu, smoothed ELBO)`` at each evaluation of ``(step, cpu, ELBO)`` points: the mean of
+    the evaluations within :data:`SMOOTH` of it (a centred window: no lag on a straight rise;
+    at the ends, the points there are)."""
+    out = []
+    for i, (_, c, _) in enumerate(history):
+        window = [e for _, _, e in history[max(0, i - SMOOTH) : i + SMOOTH + 1]]
+        out.append((c, sum(window) / len(window)))
+    return out
+
+
+def time_to_result(history, target: float) -> float:
+    """The CPU time of the first evaluation whose smoothed ELBO reaches ``target`` (``nan``:
+    never)."""
+    return next((c for c, e in smoothed(history) if e >= target), math.nan)
+
+
 def summarize(results: dict) -> list[dict]:
     rows = []
     for model, by_est in results.items():
@@ -517,14 +657,18 @@ def summarize(results: dict) -> list[dict]:
                     [r["elbo"] - b["elbo"] for r, b in zip(runs, base)]
                 )
                 row["cpu_ratio"] = statistics.mean(r["cpu"] / b["cpu"] for r, b in zip(runs, base))
-                reach = []
-                for r, b in zip(runs, base):
-                    target = b["history"][-1][2]
-                    t = next((c for _, c, e in r["history"] if e >= target), None)
-                    if t is not None:
-                        reach.append(t)
-                row["t_reach"] = statistics.median(reach) if reach else math.nan
-                row["reached"] = f"{len(reach)}/{len(runs)}"
+                _, trace_se = _mse([b["elbo"] for b in base])
+                fractions = [
+                    time_to_result(
+                        r["history"], b["elbo"] - (trace_se if trace_se == trace_se else 0.0)
+                    )
+                    / b["cpu"]
+                    for r, b in zip(runs, base)
+                ]
+                reached = [f for f in fractions if f is not None and math.isfinite(f)]
+                row["to_result"] = statistics.median(reached) if reached else math.nan
+                row["to_result_range"] = (min(reached), max(reached)) if reached else None
+                row["reached"] = f"{len(reached)}/{len(runs)}"
                 row["diff_eq_time"], row["diff_eq_time_se"] = _mse(
                     [r["elbo_eq_time"] - b["elbo"] for r, b in zip(runs, base)]
                 )
@@ -536,8 +680,18 @@ def _f(x, spec=".2f"):
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
 
+def _reach(r: dict) -> str:
+    """The time-to-result cell: median fraction (range, n/N), or "not reached"."""
+    if "reached" not in r:
+        return "-"
+    if r["to_result_range"] is None:
+        return f"not reached (0/{r['seeds']})"
+    lo, hi = r["to_result_range"]
+    return f"{r['to_result']:.2f} ({lo:.2f}-{hi:.2f}, {r['reached']})"
+
+
 def markdown(rows: list[dict]) -> str:
-    head = ("| model | estimator | ELBO | d vs trace | held-out | t to trace (s) | "
+    head = ("| model | estimator | ELBO | d vs trace | held-out | to trace's result | "
             "d @ equal time | ms/step | CPU / trace |")  # fmt: skip
     lines = [head, "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -545,7 +699,7 @@ def markdown(rows: list[dict]) -> str:
             f"| {r['model']} | {r['estimator']} | {_f(r['elbo'])} ± {_f(r['elbo_se'])} | "
             f"{_f(r.get('diff'))} ± {_f(r.get('diff_se'))} | "
             + (f"{_f(r['heldout'])} ± {_f(r['heldout_se'])}" if "heldout" in r else "-")
-            + f" | {_f(r.get('t_reach'))} ({r.get('reached', '-')}) | "
+            + f" | {_reach(r)} | "
             f"{_f(r.get('diff_eq_time'))} ± {_f(r.get('diff_eq_time_se'))} | "
             f"{_f(r['ms_per_step'], '.2f')} | {_f(r.get('cpu_ratio'), '.3f')} |"
         )
@@ -557,7 +711,23 @@ _WARM = {"steps": lambda m, s: 5, "evals": 1, "eval_draws": 2, "final_draws": 2,
          "heldout_draws": 2}  # fmt: skip
 
 
-def main() -> None:
+def _resummarize(path: str, results: str | None, header: str) -> None:
+    """The table of a saved run (``--json``), summarized by this code, into ``results`` (the
+    run's own header line kept where that file has one)."""
+    with open(path) as f:
+        saved = json.load(f)
+    rows = summarize(saved["runs"])
+    table = markdown(rows)
+    print(table)
+    if results:
+        p = Path(results)
+        first = p.read_text().split("\n", 1)[0] if p.exists() else ""
+        if first.startswith("Command:"):
+            header = f"{first}\n\nTable re-summarized from the run's JSON: {header}"
+        write_results(results, [table], header)
+
+
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_true", help="the short run (see module docs)")
@@ -566,14 +736,31 @@ def main() -> None:
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--estimators", default=",".join(ESTIMATORS))
     ap.add_argument("--json", default="bench_convergence.json", help="results file")
-    args = ap.parse_args()
+    ap.add_argument("--results", default=None,
+                    help="the Markdown table's file (default docs/results/convergence.md, "
+                    "with --quick docs/results/convergence-quick.md; '' writes none)")  # fmt: skip
+    ap.add_argument("--steps", type=int, default=None, help="every model's steps (a smoke run)")
+    ap.add_argument("--final-draws", type=int, default=None, help="draws of the final ELBO")
+    ap.add_argument("--from-json", default=None,
+                    help="re-summarize a saved run's JSON (no training): its table to --results")  # fmt: skip
+    args = ap.parse_args(argv)
+    header = results_header(None if argv is None else [__file__, *argv])
+    if args.from_json:
+        return _resummarize(args.from_json, args.results, header)
+    if args.results is None:
+        name = "convergence-quick.md" if args.quick else "convergence.md"
+        args.results = str(Path(__file__).resolve().parent.parent / "docs" / "results" / name)
     torch.set_num_threads(1)
     if args.quick:
-        cfg = {"steps": lambda m, s: 150 if m == "vae" else int(0.3 * s), "evals": 10,
+        cfg = {"steps": lambda m, s: 150 if m == "vae" else int(0.3 * s), "evals": 20,
                "eval_draws": 10, "final_draws": 300, "heldout_draws": 50}  # fmt: skip
     else:
-        cfg = {"steps": lambda m, s: s, "evals": 20, "eval_draws": 10, "final_draws": 2000,
+        cfg = {"steps": lambda m, s: s, "evals": 50, "eval_draws": 10, "final_draws": 2000,
                "heldout_draws": 100}  # fmt: skip
+    if args.steps is not None:
+        cfg["steps"] = lambda m, s: args.steps
+    if args.final_draws is not None:
+        cfg["final_draws"] = args.final_draws
     models = args.models.split(",")
     ests = args.estimators.split(",")
     for m in models + ests:
@@ -598,7 +785,11 @@ def main() -> None:
         json.dump({"mode": "quick" if args.quick else "full", "rows": rows, "runs": results}, f)
     print()
     print(markdown(rows))
-    print(f"\ntotal {time.perf_counter() - t_start:.0f} s wall clock; results in {args.json}")
+    wall = time.perf_counter() - t_start
+    print(f"\ntotal {wall:.0f} s wall clock; results in {args.json}")
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    write_results(args.results, [markdown(rows)],
+                  f"{header} Wall clock {wall:.0f} s; load at the end: {load}.")  # fmt: skip
 
 
 if __name__ == "__main__":

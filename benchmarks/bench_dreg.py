@@ -19,7 +19,13 @@ import argparse
 import pyro
 import pyro.distributions as dist
 import torch
-from _common import print_table, saved_tensor_bytes, time_interleaved
+from _common import (
+    add_results_argument,
+    print_table,
+    recording,
+    saved_tensor_bytes,
+    time_interleaved,
+)
 from pyro.infer import SVI, RenyiELBO
 
 from pyro_gradroute.app.models.digits_vae import VAE, load_binarized_digits
@@ -103,26 +109,28 @@ def main(argv=None):
     )
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--cost-only", action="store_true", help="only the step-time table")
+    add_results_argument(parser)
     args = parser.parse_args(argv)
-    torch.set_num_threads(1)
-    pyro.set_rng_seed(0)
-    if args.cost_only:
-        return cost_table(args)
-    print("Guide-gradient SNR (median over coordinates), Gaussian model D=20")
-    draws = 2000 if args.quick else 20000
-    print(
-        f"({draws} independent gradient draws per cell; the SNR estimate's noise floor is ~{(2 / 3.1416 / draws) ** 0.5:.3f})"
-    )
-    print_table(gaussian_snr([1, 10, 100, 1000], draws), ("K", "IWAE SNR", "DReG SNR"))
-    print()
-    print("Renyi bounds: RenyiELBO(alpha) vs TraceDReG_ELBO(alpha), same model, guide SNR")
-    rows = []
-    for alpha in (-0.5, 0.2, 0.5, 0.9):
-        for K, iw, dr in gaussian_snr([10, 100], draws // 4, alpha=alpha):
-            rows.append((alpha, K, iw, dr))
-    print_table(rows, ("alpha", "K", "Renyi SNR", "DReG SNR"))
-    print()
-    cost_table(args)
+    with recording(args.results, argv):
+        torch.set_num_threads(1)
+        pyro.set_rng_seed(0)
+        if args.cost_only:
+            return cost_table(args)
+        print("Guide-gradient SNR (median over coordinates), Gaussian model D=20")
+        draws = 2000 if args.quick else 20000
+        print(
+            f"({draws} independent gradient draws per cell; the SNR estimate's noise floor is ~{(2 / 3.1416 / draws) ** 0.5:.3f})"
+        )
+        print_table(gaussian_snr([1, 10, 100, 1000], draws), ("K", "IWAE SNR", "DReG SNR"))
+        print()
+        print("Renyi bounds: RenyiELBO(alpha) vs TraceDReG_ELBO(alpha), same model, guide SNR")
+        rows = []
+        for alpha in (-0.5, 0.2, 0.5, 0.9):
+            for K, iw, dr in gaussian_snr([10, 100], draws // 4, alpha=alpha):
+                rows.append((alpha, K, iw, dr))
+        print_table(rows, ("alpha", "K", "Renyi SNR", "DReG SNR"))
+        print()
+        cost_table(args)
 
 
 def cost_table(args):

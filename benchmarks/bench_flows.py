@@ -29,7 +29,7 @@ import pyro
 import pyro.distributions as dist
 import pyro.distributions.transforms as T
 import torch
-from _common import print_table, time_interleaved
+from _common import add_results_argument, print_table, recording, time_interleaved
 from pyro.infer import SVI, RenyiELBO
 from pyro.infer import Trace_ELBO as PyroTrace_ELBO
 from pyro.infer.autoguide import AutoDiagonalNormal, AutoIAFNormal, AutoNormalizingFlow
@@ -121,36 +121,38 @@ def main(argv=None):
     ap.add_argument("--dims", type=int, nargs="+", default=[4, 16, 64])
     ap.add_argument("--no-solves", action="store_true", help="skip (b)")
     ap.add_argument("--floor", action="store_true", help="(a) with the rules' gradient set to 0")
+    add_results_argument(ap)
     args = ap.parse_args(argv)
-    if args.floor:  # not an estimator: the cost of everything but the rules
-        flows.FlowPath.target_grad = lambda self: torch.zeros_like(self.target)
-    torch.set_num_threads(1)
-    rounds = 20 if args.quick else 100
-    rows = []
-    names = [n for n in GUIDES if not args.only or any(o in n for o in args.only)]
-    for name in names:
-        for D in args.dims:
-            stl, dreg, base = bench_step_time(name, D, rounds)
-            rows.append((name, D, f"{stl:.2f}", f"{dreg:.2f}", f"{1e3 * base:.1f}"))
-            print(*rows[-1], flush=True)
-    print()
-    print("(a) step time, one thread, median CPU time of interleaved rounds")
-    print_table(
-        rows, ("guide", "D", "STL/Trace (8 particles)", "DReG/IWAE (K=16)", "Trace ms/step")
-    )
-    if args.no_solves:
-        return
-    steps = 500 if args.quick else 2000
-    init, trained, D = iteration_counts(steps)
-    print()
-    print(f"(b) triangular-solve iterations, AutoIAFNormal on eight schools (D={D}), float32")
-    print_table(
-        [
-            ("initialisation", *init[:3], f"{init[3]:.2g}"),
-            (f"after {steps} STL steps", *trained[:3], f"{trained[3]:.2g}"),
-        ],
-        ("", "min", "median", "max", "max residual"),
-    )
+    with recording(args.results, argv):
+        if args.floor:  # not an estimator: the cost of everything but the rules
+            flows.FlowPath.target_grad = lambda self: torch.zeros_like(self.target)
+        torch.set_num_threads(1)
+        rounds = 20 if args.quick else 100
+        rows = []
+        names = [n for n in GUIDES if not args.only or any(o in n for o in args.only)]
+        for name in names:
+            for D in args.dims:
+                stl, dreg, base = bench_step_time(name, D, rounds)
+                rows.append((name, D, f"{stl:.2f}", f"{dreg:.2f}", f"{1e3 * base:.1f}"))
+                print(*rows[-1], flush=True)
+        print()
+        print("(a) step time, one thread, median CPU time of interleaved rounds")
+        print_table(
+            rows, ("guide", "D", "STL/Trace (8 particles)", "DReG/IWAE (K=16)", "Trace ms/step")
+        )
+        if args.no_solves:
+            return
+        steps = 500 if args.quick else 2000
+        init, trained, D = iteration_counts(steps)
+        print()
+        print(f"(b) triangular-solve iterations, AutoIAFNormal on eight schools (D={D}), float32")
+        print_table(
+            [
+                ("initialisation", *init[:3], f"{init[3]:.2g}"),
+                (f"after {steps} STL steps", *trained[:3], f"{trained[3]:.2g}"),
+            ],
+            ("", "min", "median", "max", "max residual"),
+        )
 
 
 if __name__ == "__main__":

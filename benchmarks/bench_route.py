@@ -40,7 +40,7 @@ from collections.abc import Callable
 
 import pyro
 import torch
-from _common import print_table, time_interleaved
+from _common import add_results_argument, print_table, recording, time_interleaved
 from pyro.infer import SVI
 from pyro.infer import Trace_ELBO as PyroTrace_ELBO
 from torch import nn
@@ -209,12 +209,14 @@ def main(argv=None) -> None:
     parser.add_argument("--quick", action="store_true", help="fewer rounds (noisier)")
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=256)
+    add_results_argument(parser)
     args = parser.parse_args(argv)
-    torch.set_num_threads(1)
-    _mmap_large_allocations()
-    rounds = 5 if args.quick else 21
-    bench_plain(args.width, args.batch, rounds)
-    bench_svi(args.width, args.batch, rounds)
+    with recording(args.results, argv):
+        torch.set_num_threads(1)
+        _mmap_large_allocations()
+        rounds = 5 if args.quick else 21
+        bench_plain(args.width, args.batch, rounds)
+        bench_svi(args.width, args.batch, rounds)
 
 
 if __name__ == "__main__":

@@ -25,9 +25,11 @@ import pyro
 import pyro.distributions as dist
 import torch
 from _common import (
+    add_results_argument,
     gaussian_problem,
     place_guide,
     print_table,
+    recording,
     saved_tensor_bytes,
     time_interleaved,
 )
@@ -242,55 +244,57 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="fewer rounds (noisier)")
     parser.add_argument("--only", default=None, help="run the cases whose name contains this")
     parser.add_argument("--no-variance", action="store_true", help="skip the variance table")
+    add_results_argument(parser)
     args = parser.parse_args(argv)
-    torch.set_num_threads(1)
-    pyro.set_rng_seed(0)
-    rounds = 20 if args.quick else 200
-    rows = []
-    cases = (
-        ("digits VAE (batch 256)", bench_vae),
-        ("hierarchical, AutoNormal (J=200)", lambda r: bench_hierarchical(r, J=200)),
-        ("hierarchical, AutoNormal (J=5000)", lambda r: bench_hierarchical(r, J=5000)),
-        ("stick_the_landing in Pyro's Trace_ELBO (J=200)", bench_handler_hierarchical),
-        ("stick_the_landing in Pyro's Trace_ELBO (digits VAE)", bench_handler_vae),
-        ("stick_the_landing in TraceEnum_ELBO (mixture)", bench_enum_mixture),
-        ("stick_the_landing in JitTrace_ELBO (J=200)", bench_jit_hierarchical),
-        *(
-            (
-                f"AutoNormal, {n} latent sites (loss_and_grads)",
-                lambda r, n=n: bench_many_sites(r, n),
-            )
-            for n in (1, 100, 400, 800)
-        ),
-        ("conditional chain guide, 20 sites", bench_chain),
-    )
-    for name, fn in cases:
-        if args.only and args.only not in name:
-            continue
-        t, m = fn(rounds)
-        rows.append(
-            (
-                name,
-                f"{1e3 * t['Trace_ELBO']:.2f}",
-                f"{1e3 * t['TraceSTL_ELBO']:.2f}",
-                f"{t['TraceSTL_ELBO'] / t['Trace_ELBO']:.3f}",
-                f"{m['TraceSTL_ELBO'] / m['Trace_ELBO']:.3f}",
-            )
+    with recording(args.results, argv):
+        torch.set_num_threads(1)
+        pyro.set_rng_seed(0)
+        rounds = 20 if args.quick else 200
+        rows = []
+        cases = (
+            ("digits VAE (batch 256)", bench_vae),
+            ("hierarchical, AutoNormal (J=200)", lambda r: bench_hierarchical(r, J=200)),
+            ("hierarchical, AutoNormal (J=5000)", lambda r: bench_hierarchical(r, J=5000)),
+            ("stick_the_landing in Pyro's Trace_ELBO (J=200)", bench_handler_hierarchical),
+            ("stick_the_landing in Pyro's Trace_ELBO (digits VAE)", bench_handler_vae),
+            ("stick_the_landing in TraceEnum_ELBO (mixture)", bench_enum_mixture),
+            ("stick_the_landing in JitTrace_ELBO (J=200)", bench_jit_hierarchical),
+            *(
+                (
+                    f"AutoNormal, {n} latent sites (loss_and_grads)",
+                    lambda r, n=n: bench_many_sites(r, n),
+                )
+                for n in (1, 100, 400, 800)
+            ),
+            ("conditional chain guide, 20 sites", bench_chain),
         )
-    print(
-        "STL over Trace (targets: TraceSTL_ELBO time <= 1.03, memory <= 1.02; handler <= 1.03; "
-        "800 sites <= 1.06; chain <= 1.20)"
-    )
-    print_table(rows, ("model", "Trace ms/step", "STL ms/step", "time ratio", "memory ratio"))
-    if args.no_variance:
-        return
-    print()
-    print("Gradient variance vs distance from the posterior (D=10 conjugate Gaussian)")
-    distances = [0.0, 0.1, 0.3, 1.0, 2.0, 3.0, 5.0]
-    print_table(
-        variance_vs_distance(distances, 50 if args.quick else 300),
-        ("distance (post. sds)", "Var Trace", "Var STL", "STL/Trace"),
-    )
+        for name, fn in cases:
+            if args.only and args.only not in name:
+                continue
+            t, m = fn(rounds)
+            rows.append(
+                (
+                    name,
+                    f"{1e3 * t['Trace_ELBO']:.2f}",
+                    f"{1e3 * t['TraceSTL_ELBO']:.2f}",
+                    f"{t['TraceSTL_ELBO'] / t['Trace_ELBO']:.3f}",
+                    f"{m['TraceSTL_ELBO'] / m['Trace_ELBO']:.3f}",
+                )
+            )
+        print(
+            "STL over Trace (targets: TraceSTL_ELBO time <= 1.03, memory <= 1.02; handler <= 1.03; "
+            "800 sites <= 1.06; chain <= 1.20)"
+        )
+        print_table(rows, ("model", "Trace ms/step", "STL ms/step", "time ratio", "memory ratio"))
+        if args.no_variance:
+            return
+        print()
+        print("Gradient variance vs distance from the posterior (D=10 conjugate Gaussian)")
+        distances = [0.0, 0.1, 0.3, 1.0, 2.0, 3.0, 5.0]
+        print_table(
+            variance_vs_distance(distances, 50 if args.quick else 300),
+            ("distance (post. sds)", "Var Trace", "Var STL", "STL/Trace"),
+        )
 
 
 if __name__ == "__main__":

@@ -1,0 +1,153 @@
+"""Why the adaptive estimator's policy picks STL where it loses: per-parameter gradient moments.
+
+Along a ``Trace_ELBO`` trajectory (Adam, the model's lr), at a few
+checkpoints, ``--draws`` guide draws at the frozen parameters; on each draw both parts of the
+gradient of the same draw, per parameter element: ``c`` the score part
+(:math:`\\nabla_\\phi \\log q(\\bot z; \\phi)`) and ``p = g_trace - c`` (STL's gradient). Per group
+of elements (each AutoNormal parameter tensor: ``locs``/``scales`` of every site) it prints the
+summed second moments of ``Trace_ELBO`` (``S1``), of STL (``S0``), of the per-element better
+endpoint (``Se``) and of the per-element optimal mix (``Sb``), the number of elements where STL
+is the better endpoint, and the same sums normalized per element by ``Trace_ELBO``'s second
+moment (``n0 = mean_e E g0_e^2 / E g1_e^2``: what a per-element normalized optimizer sees).
+
+Run: ``python benchmarks/diagnose_rule.py --model sv_centered --steps 5000 --draws 300``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import pyro
+import torch
+from bench_convergence import MODELS
+from pyro import poutine
+from pyro.infer import SVI, Trace_ELBO
+
+
+def parts(p, params: dict) -> tuple[dict, dict]:
+    """One guide draw's ``(g_trace, g_score)`` per parameter (unconstrained leaves)."""
+    guide_tr = poutine.trace(p.guide).get_trace(*p.args)
+    model_tr = poutine.trace(poutine.replay(p.model, trace=guide_tr)).get_trace(*p.args)
+    loss = -(model_tr.log_prob_sum() - guide_tr.log_prob_sum())
+    score = 0.0
+    for site in guide_tr.nodes.values():
+        if site["type"] == "sample" and site["infer"].get("is_auxiliary"):
+            score = score + site["fn"].log_prob(site["value"].detach()).sum()
+    names = list(params)
+    leaves = [params[n] for n in names]
+    gt = torch.autograd.grad(loss, leaves, allow_unused=True, retain_graph=True)
+    gc = torch.autograd.grad(score, leaves, allow_unused=True)
+    z = torch.zeros_like
+    return (
+        {n: (z(v) if g is None else g) for n, g, v in zip(names, gt, leaves)},
+        {n: (z(v) if g is None else g) for n, g, v in zip(names, gc, leaves)},
+    )
+
+
+def moments(p, draws: int) -> dict:
+    """Per parameter: per-element mean of p, Var p, Var c, Cov(p, c) over ``draws`` draws."""
+    params = dict(pyro.get_param_store().named_parameters())
+    acc: dict = {}
+    for _ in range(draws):
+        gt, gc = parts(p, params)
+        for n in params:
+            c = gc[n].detach().reshape(-1)
+            pp = (gt[n] - gc[n]).detach().reshape(-1)
+            a = acc.setdefault(n, [0.0] * 5)
+            for i, v in enumerate((pp, c, pp * pp, c * c, pp * c)):
+                a[i] = a[i] + v
+    out = {}
+    for n, (sp, sc, spp, scc, spc) in acc.items():
+        mp, mc = sp / draws, sc / draws
+        out[n] = {
+            "mean": mp,
+            "vp": spp / draws - mp**2,
+            "vc": scc / draws - mc**2,
+            "cov": spc / draws - mp * mc,
+        }
+    return out
+
+
+def table(mom: dict) -> list[dict]:
+    rows = []
+    for n, m in mom.items():
+        mean2, vp, vc, cov = m["mean"] ** 2, m["vp"], m["vc"], m["cov"]
+        s0 = mean2 + vp  # STL, per element
+        s1 = mean2 + vp + 2 * cov + vc  # Trace_ELBO
+        se = torch.minimum(s0, s1)  # the better endpoint per element
+        bstar = torch.where(vc > 0, -cov / vc.clamp_min(1e-30), torch.ones_like(vc))
+        sb = mean2 + vp + bstar * (2 * cov + bstar * vc)
+        rows.append(
+            {
+                "param": n.replace("AutoNormal.", ""),
+                "size": s0.numel(),
+                "mean2": float(mean2.sum()),
+                "S1": float(s1.sum()),
+                "S0": float(s0.sum()),
+                "Se": float(se.sum()),
+                "Sb": float(sb.sum()),
+                "stl_better": int((s0 < s1).sum()),
+                "n0": float((s0 / s1).mean()),  # per-element normalized: STL over Trace_ELBO
+                "ne": float((se / s1).mean()),
+                "b_med": float(bstar.median()),
+            }
+        )
+    return rows
+
+
+def show(rows: list[dict], head: str) -> None:
+    print(head)
+    print(f"{'param':>28} {'n':>4} {'|Eg|^2':>9} {'S1 trace':>9} {'S0 stl':>9} {'S elem':>9} "
+          f"{'S b*':>9} {'stl<':>5} {'n0':>6} {'ne':>6} {'b* med':>6}")  # fmt: skip
+    tot = {k: 0.0 for k in ("mean2", "S1", "S0", "Se", "Sb")}
+    for r in rows:
+        print(f"{r['param']:>28} {r['size']:>4} {r['mean2']:9.3g} {r['S1']:9.3g} {r['S0']:9.3g} "
+              f"{r['Se']:9.3g} {r['Sb']:9.3g} {r['stl_better']:>5} {r['n0']:6.3f} "
+              f"{r['ne']:6.3f} {r['b_med']:6.2f}")  # fmt: skip
+        for k in tot:
+            tot[k] += r[k]
+    print(f"{'total':>28} {'':>4} {tot['mean2']:9.3g} {tot['S1']:9.3g} {tot['S0']:9.3g} "
+          f"{tot['Se']:9.3g} {tot['Sb']:9.3g}", flush=True)  # fmt: skip
+
+
+def run_moments(model: str, steps: int, draws: int, checkpoints: list[int], seed: int) -> list:
+    pyro.clear_param_store()
+    pyro.set_rng_seed(seed)
+    p = MODELS[model](seed)
+    svi = SVI(p.model, p.guide, pyro.optim.Adam({"lr": p.lr}), Trace_ELBO())
+    out = []
+    for step in range(1, steps + 1):
+        svi.step(*p.args)
+        if step in checkpoints:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(7 + step)
+                rows = table(moments(p, draws))
+            show(rows, f"\n== {model}, Trace_ELBO trajectory, step {step}, {draws} draws")
+            out.append({"step": step, "rows": rows})
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="sv_centered")
+    ap.add_argument("--steps", type=int, default=5000)
+    ap.add_argument("--draws", type=int, default=300)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    t0 = time.perf_counter()
+    res = {}
+    cps = sorted({s for s in (50, 200, 500, 1000, 2000, 3500, 5000) if s <= args.steps}
+                 | {args.steps})  # fmt: skip
+    res["moments"] = run_moments(args.model, args.steps, args.draws, cps, args.seed)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f)
+    print(f"{time.perf_counter() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
