@@ -108,7 +108,7 @@ def _dict_copy(cls) -> bool:
             getattr(cls, "__copy__", None) is None
             and cls.__reduce_ex__ is object.__reduce_ex__
             and cls.__reduce__ is object.__reduce__
-            and cls.__getstate__ is object.__getstate__
+            and getattr(cls, "__getstate__", None) is getattr(object, "__getstate__", None)
             and not hasattr(cls, "__setstate__")
             and not any(vars(c).get("__slots__") for c in cls.__mro__)  # none but empty ones
         )

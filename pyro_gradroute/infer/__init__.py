@@ -1,9 +1,7 @@
 """Estimators: ELBOs built from one trace per particle and named, routable terms."""
 
 from .elbo import RoutedELBO
-from .schedule import (
-    ScheduleConfig as ScheduleConfig,
-)  # (public: the adaptive estimators' schedule=)
+from .schedule import ScheduleConfig
 from .trace_adaptive_dreg_elbo import TraceAdaptiveDReG_ELBO
 from .trace_adaptive_elbo import TraceAdaptiveSTL_ELBO, TraceEnumAdaptiveSTL_ELBO
 from .trace_dreg_elbo import ReweightedWakeSleepDReG, TraceDReG_ELBO
@@ -13,6 +11,7 @@ from .trace_stl_elbo import TraceSTL_ELBO
 __all__ = [
     "ReweightedWakeSleepDReG",
     "RoutedELBO",
+    "ScheduleConfig",
     "TraceAdaptiveDReG_ELBO",
     "TraceAdaptiveSTL_ELBO",
     "TraceEnumAdaptiveSTL_ELBO",
