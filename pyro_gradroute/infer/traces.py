@@ -28,6 +28,9 @@ from ..poutine.split_distribution import SplitBatch, SplitDistribution
 from ..poutine.split_messenger import SplitMessenger
 from ..poutine.stick_the_landing_messenger import PathwiseDistribution
 
+#: the key of a guide trace site under which the handler's record of it is kept
+PATHWISE = "pathwise_site"
+
 
 class _StructuredSite(WrappedDistribution):
     """(The adaptive shim above.)"""
@@ -80,17 +83,17 @@ def refuse_model_enumeration(elbo, model_trace, guide_trace) -> None:
 def site_parts(site):
     """``(full, pathwise)`` :class:`~pyro.distributions.score_parts.ScoreParts` of a guide site, scaled and masked.
 
-    ``full`` is ``site["score_parts"]`` (Pyro's: ``log_prob`` and ``entropy_term``
-    scaled and masked, ``score_function`` neither); ``pathwise`` holds the same parts
-    with the parameters stopped (gradients reach the sample and the upstream samples
-    only), scaled and masked alike.
+    A site the estimator's handler took (its ``score_parts`` are the pathwise ones):
+    ``(None, site["score_parts"])``. Any other: ``site["score_parts"]`` and the same parts
+    with every gradient stopped.
     """
-    fn = site["fn"]
-    if not isinstance(fn, SplitDistribution):
-        full = site["score_parts"]
-        return full, type(full)(*(t.detach() if torch.is_tensor(t) else t for t in full))
-    _, path = fn.split_parts(site["value"])
-    return site["score_parts"], path.scale_and_mask(site["scale"], site["mask"])
+    full = site["score_parts"]
+    if site.get(PATHWISE) is not None:
+        return None, full
+    if isinstance(site["fn"], SplitDistribution):
+        _, path = site["fn"].split_parts(site["value"])
+        return full, path.scale_and_mask(site["scale"], site["mask"])
+    return full, type(full)(*(t.detach() if torch.is_tensor(t) else t for t in full))
 
 
 def scaled(site, t):
@@ -164,6 +167,7 @@ def get_split_importance_trace(
                 fn = site["fn"]
                 if type(fn) is not PathwiseDistribution:
                     continue
+                site[PATHWISE] = fn._site  # the site as the handler saw it (upstream, owner, ...)
                 rec = fn._site
                 if rec is not None and rec.owner is not None:
                     # (a private shim for trace_adaptive_elbo._filled_score, which reads a
