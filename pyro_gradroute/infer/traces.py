@@ -14,32 +14,15 @@ import contextlib
 import torch
 from pyro import poutine
 from pyro.distributions.util import scale_and_mask
-from pyro.infer.autoguide import AutoGaussian
 from pyro.infer.util import is_validation_enabled
 from pyro.poutine.util import prune_subsample_sites
 from pyro.util import check_if_enumerated, check_model_guide_match, check_site_shape
 
-from ..poutine._wrapped import WrappedDistribution
 from ..poutine.gated_distribution import unwrap_gates
 from ..poutine.stick_the_landing_messenger import PathwiseDistribution
 
 #: the key of a guide trace site under which the handler's record of it is kept
 PATHWISE = "pathwise_site"
-
-
-class _StructuredSite(WrappedDistribution):
-    """(The adaptive shim above.)"""
-
-    _own = ("base_dist", "_path")
-
-    def __init__(self, base_dist, path):
-        self.base_dist, self._path = base_dist, path
-        super().__init__(base_dist.batch_shape, base_dist.event_shape, validate_args=False)
-
-    def log_prob(self, value, *args, **kwargs):
-        lp = self.base_dist.log_prob(value, *args, **kwargs)
-        path = None if self._path is None else self._path.log_prob
-        return lp if not torch.is_tensor(path) else lp + 0.0 * path
 
 
 def _check_finite(trace: poutine.Trace, role: str) -> None:
@@ -148,15 +131,7 @@ def get_split_importance_trace(
                 if type(fn) is not PathwiseDistribution:
                     continue
                 site[PATHWISE] = fn._site  # the site as the handler saw it (upstream, owner, ...)
-                rec = fn._site
-                if rec is not None and rec.owner is not None:
-                    # (a private shim for trace_adaptive_elbo._filled_score, which reads a
-                    # site's score part as its full density less its pathwise one: a
-                    # structured guide's site is no Delta there, and its full density
-                    # carries the graph even where its value reads no parameter)
-                    site["fn"] = _StructuredSite(fn.base_dist, rec.parts)
-                else:
-                    site["fn"] = fn.base_dist
+                site["fn"] = fn.base_dist
     if validate:
         _check_finite(guide_trace, "guide")
     model_trace.compute_log_prob()
