@@ -562,9 +562,7 @@ def split_log_probs(
     """
     for _, _, upstream in items:
         _check_upstream(upstream)
-    out = split_score_parts(
-        [(fn, value, upstream, None) for fn, value, upstream in items]
-    )
+    out = split_score_parts([(fn, value, upstream, None) for fn, value, upstream in items])
     return [SplitLogProb(p.log_prob, s, q.log_prob) for p, q, s in out]
 
 

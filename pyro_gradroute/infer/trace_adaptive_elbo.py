@@ -30,8 +30,7 @@ from ..poutine.stick_the_landing_messenger import stick_the_landing
 from .control_variate import ControlVariate
 from .elbo import EXTRA, RoutedELBO, Terms, collect_blocks
 from .schedule import Schedule, ScheduleConfig
-from .trace_elbo import Trace_ELBO
-from .trace_stl_elbo import TraceSTL_ELBO
+from .trace_elbo import Trace_ELBO, TraceSTL_ELBO
 from .traces import PATHWISE, scaled
 
 __all__ = ["TraceAdaptiveSTL_ELBO", "TraceEnumAdaptiveSTL_ELBO"]

@@ -338,7 +338,7 @@ class TraceDReG_ELBO(RoutedELBO):
     def _site_factors(self, guide_sites, w, outer) -> dict:
         """``name -> factor`` on the gradient through each guide site's value (see the class docs)."""
         records = {n: s.get(PATHWISE) for n, s in guide_sites.items()}
-        by_relay = {id(r.value): n for n, r in records.items() if r is not None}
+        by_value = {id(r.value): n for n, r in records.items() if r is not None}
         c = {n: _inner_scale(s, outer) for n, s in guide_sites.items()}
         draws = {
             n
@@ -382,7 +382,7 @@ class TraceDReG_ELBO(RoutedELBO):
             ):
                 continue
             reached = [
-                by_relay[id(rec.upstream[i])] for i in routing.reached(rec.value, rec.upstream)
+                by_value[id(rec.upstream[i])] for i in routing.reached(rec.value, rec.upstream)
             ]
             direct = reaches_leaf_directly(rec.value, rec.upstream)
             if reached and direct:
@@ -404,7 +404,7 @@ class TraceDReG_ELBO(RoutedELBO):
                     hit = set(routing.reached(rec.value, rec.upstream))
                     if rec.score is not None:  # (what the split node's density reads)
                         hit |= set(routing.reached(rec.score, rec.upstream))
-                    linked = [by_relay[id(rec.upstream[i])] for i in sorted(hit)]
+                    linked = [by_value[id(rec.upstream[i])] for i in sorted(hit)]
                     self._check_same_scale(n, linked + [n], c)
         return factors
 

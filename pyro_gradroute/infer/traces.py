@@ -95,7 +95,7 @@ def get_split_importance_trace(
         then hold their base distributions, with the parts it computed.
     :returns: ``(model_trace, guide_trace)`` with log-probabilities computed.
     """
-    # an estimator that splits no site (needs_split is False) runs the guide as Pyro does
+    # without a context the guide runs as under Pyro's estimators
     splitting = context if context is not None else contextlib.nullcontext()
     unwrapped_guide = poutine.unwrap(guide)
     if isinstance(unwrapped_guide, poutine.messenger.Messenger):

@@ -85,9 +85,6 @@ class DeltaDensityError(ValueError):
     """A Delta site whose ``log_density`` depends on the guide's parameters directly."""
 
 
-NeedsGeneralSplit = DeltaDensityError  # (a private shim for trace_adaptive_elbo; never raised)
-
-
 class Conditional(NamedTuple):
     """A site evaluated with the others in one split node (see the module docstring)."""
 

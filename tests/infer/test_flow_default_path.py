@@ -402,14 +402,14 @@ def test_each_flow_guide_takes_the_expected_path(kind, general):
 
 
 def _custom_nodes(t) -> set:
-    """Which of the package's autograd Functions ``t``'s graph holds (``"split"``: its split node or relays)."""
+    """Which of the package's autograd Functions ``t``'s graph holds (``"split"``: its split node)."""
     seen, stack, found = set(), [t.grad_fn], set()
     while stack:
         node = stack.pop()
         if node is None or node in seen:
             continue
         seen.add(node)
-        if type(node).__name__ in ("_PathwiseBackward", "_RelayFnBackward"):
+        if type(node).__name__ == "_PathwiseBackward":
             found.add("split")
         stack.extend(f for f, _ in node.next_functions)
     return found
