@@ -31,7 +31,6 @@ NO_EXAMPLES = {
     "pyro_gradroute.infer",
     "pyro_gradroute.infer.elbo",
     "pyro_gradroute.infer.traces",
-    "pyro_gradroute.infer.trace_stl_elbo",  # a private shim (TraceSTL_ELBO is in trace_elbo)
     "pyro_gradroute.app",
     "pyro_gradroute.app.plots",
     "pyro_gradroute.poutine",

@@ -28,11 +28,10 @@ seeds with respect to the detached values (independent leaves, so nothing can be
 counted twice), and the pathwise seeds with respect to the upstream samples. For the
 second product the upstream samples must be *cut points*: when one upstream sample
 depends on another (``z_0 -> z_1 -> z_2``), a product with respect to both would
-count the path through ``z_1`` twice. The ELBOs draw every guide sample through a
-:class:`Relay` (an identity node that can stop the gradient during that product
-only), which makes the product exact at any depth. Samples drawn without relays (the
-STL default path) are cut the same way by a backward pre-hook on each one's autograd
-node, registered for that product only (``split_score_parts(..., cut=True)``). Where no
+count the path through ``z_1`` twice. The estimators and the handler stop the gradient
+below each upstream sample while that product is taken (a backward pre-hook on each one's
+autograd node, registered for that product only: ``split_score_parts(..., cut=True)``),
+which makes the product exact at any depth. Where no
 item has a seed for its full part (STL) the two products are one.
 :func:`split_log_probs` called directly with plain upstream tensors raises if they
 depend on each other.
@@ -48,7 +47,7 @@ Families that need care (all handled, one evaluation each):
 
 * :class:`~torch.distributions.TransformedDistribution` whose transforms hold no
   parameters (``biject_to`` pushforwards, ``SigmoidTransform`` ...), drawn through
-  a :class:`Relay` by the ELBOs: the split is taken at the cached *pre-image* ``x``
+  :func:`preimage_rsample`: the split is taken at the cached *pre-image* ``x``
   (``log q(T(x)) = log q_base(x) - log|det J_T(x)|``, with the transforms run
   forward), so no inverse runs and a saturating transform (a sigmoid deep in its
   float32 tail) keeps both its loss value and its pathwise gradient.
@@ -89,14 +88,10 @@ from torch.distributions import Distribution, Independent, TransformedDistributi
 from .._compat import sum_rightmost, transform_cache
 from ..routing import reached
 from . import flows
-from .detached import is_delta
 
 __all__ = [
-    "Relay",
-    "RelayGroup",
     "SplitLogProb",
     "SplitNotSupported",
-    "is_delta",
     "split_log_prob",
     "split_log_probs",
 ]
@@ -125,52 +120,6 @@ class SplitNotSupported(NotImplementedError):
     """The distribution's log-density cannot be evaluated at a fixed (detached) sample."""
 
 
-# ----------------------------------------------------------------------------- relays
-class RelayGroup:
-    """The relays of one guide run. While ``cut`` is set, their backward stops the gradient."""
-
-    def __init__(self) -> None:
-        self.cut = False
-        self.outputs: list[torch.Tensor] = []
-
-
-class _RelayFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):  # type: ignore[override]
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
-        return (None if ctx.group.cut else grad), None
-
-
-def Relay(x: torch.Tensor, group: RelayGroup) -> torch.Tensor:
-    r"""An identity node on a sample, ``x`` in value and gradient, registered in ``group``.
-
-    During the pathwise vector-Jacobian product of :func:`split_log_probs` (and only
-    then) it stops the gradient, so that the product with respect to several relays
-    gives each one its *partial* derivative :math:`\partial \log q / \partial z_i`
-    with the other samples held fixed. The ELBOs draw every guide sample through one.
-
-    Example::
-
-        >>> g = RelayGroup()
-        >>> x = torch.ones(2, requires_grad=True)
-        >>> r = Relay(x, g)
-        >>> r.sum().backward(); x.grad
-        tensor([1., 1.])
-    """
-    provenance = get_provenance(x)  # TraceGraph_ELBO's tracking of non-reparameterized sites
-    out = _RelayFn.apply(detach_provenance(x) if provenance else x, group)
-    if provenance:
-        out = track_provenance(out, provenance)
-    if hasattr(x, "_unquantize"):  # straight-through samples carry their relaxed value
-        out._unquantize = x._unquantize  # type: ignore[attr-defined]
-    group.outputs.append(out)
-    return out
-
-
 # ----------------------------------------------------------------------------- the node
 class _Item(NamedTuple):
     target: torch.Tensor  # what the product with v is sent to (the value, or its pre-image)
@@ -190,7 +139,7 @@ class _Pathwise(torch.autograd.Function):
       ``lp_i``'s own graph (parameters and upstream samples, as the ordinary
       gradient does);
     * ``pathwise_i``'s seed ``h`` goes to ``target_i`` as ``h * d lp_i / d v_i`` and to
-      the upstream tensors as ``h * d lp_i / d u`` (partials: the relays cut), never
+      the upstream tensors as ``h * d lp_i / d u`` (partials: cut below each), never
       into ``lp_i``'s graph.
     """
 
@@ -214,7 +163,7 @@ class _Pathwise(torch.autograd.Function):
                 "fn.log_prob(value) itself, support higher derivatives; the package's "
                 "Trace_ELBO (which does not split) does too."
             )
-        items, ups, targets, group, target_index, cut = ctx.meta
+        items, ups, targets, target_index, cut = ctx.meta
         g_full = grads[0::2]
         g_path = grads[1::2]
         g_targets: list = [None] * len(targets)
@@ -256,7 +205,7 @@ class _Pathwise(torch.autograd.Function):
         for outs, seeds, v_in, v_slots, u_in in calls:
             if not outs or not (v_in or u_in):
                 continue
-            with _cut_at(ups if u_in else (), group, cut):
+            with _cut_at(ups if u_in else (), cut):
                 gs = torch.autograd.grad(
                     outs,
                     [*v_in, *(ups[k] for k in u_in)],
@@ -272,23 +221,16 @@ class _Pathwise(torch.autograd.Function):
 
 
 @contextlib.contextmanager
-def _cut_at(ups, group, cut: bool):
+def _cut_at(ups, cut: bool):
     r"""While the upstream product is taken, stop the gradient below the upstream samples.
 
     The product then gives each sample :math:`u` its partial derivative (the other samples
-    held fixed): ``group``'s relays cut, or (``cut``, no relays) a backward pre-hook on
-    each sample's autograd node drops the gradient arriving there (after the product has
-    captured it), for this product only.
+    held fixed): a backward pre-hook on each sample's autograd node drops the gradient
+    arriving there (after the product has captured it), for this product only. (A sample
+    without a node is a leaf: it is computed from no other.)
     """
-    if not ups or (group is None and not cut):
+    if not ups or not cut:
         yield
-        return
-    if group is not None:
-        group.cut = True
-        try:
-            yield
-        finally:
-            group.cut = False
         return
     nodes = {u.grad_fn for u in ups if u.grad_fn is not None}
     handles = [n.register_prehook(_drop) for n in nodes]
@@ -583,8 +525,7 @@ def split_log_prob(
     ``log q(stop(z_2) | z_1; phi)`` (fn's whole graph, as Pyro's score-function terms
     use it); the upstream path then appears in both, so with ``upstream`` the two no
     longer add up to ``log_prob``'s gradient. Candidates that ``fn``'s graph does not
-    reach are ignored; candidates that depend on each other raise ``ValueError``
-    unless they are :class:`Relay` outputs of one group.
+    reach are ignored; candidates that depend on each other raise ``ValueError``.
 
     Example::
 
@@ -613,20 +554,15 @@ def split_log_prob(
 
 def split_log_probs(
     items: Sequence[tuple[Distribution, torch.Tensor, Sequence[torch.Tensor]]],
-    group: RelayGroup | None = None,
 ) -> list[SplitLogProb]:
     """:func:`split_log_prob` for several ``(fn, value, upstream)`` at once.
 
     Same results; the backward of all parts is batched into (at most) two
     vector-Jacobian products, which is what the ELBOs use for a whole guide trace.
-    ``group``: the :class:`RelayGroup` whose relays the upstream tensors are (then
-    they may depend on each other).
     """
     for _, _, upstream in items:
         _check_upstream(upstream)
-    out = split_score_parts(
-        [(fn, value, upstream, None) for fn, value, upstream in items], group=group
-    )
+    out = split_score_parts([(fn, value, upstream, None) for fn, value, upstream in items])
     return [SplitLogProb(p.log_prob, s, q.log_prob) for p, q, s in out]
 
 
@@ -644,7 +580,7 @@ def _check_upstream(upstream) -> None:
             )
 
 
-def split_score_parts(items, group: RelayGroup | None = None, on_error=None, cut: bool = False):
+def split_score_parts(items, on_error=None, cut: bool = False, names=None):
     """The split of each item's ``score_parts``: a list of ``(full, pathwise, score)``.
 
     ``items``: ``(fn, value, upstream, preimage)``. ``full`` and ``pathwise`` are
@@ -655,9 +591,9 @@ def split_score_parts(items, group: RelayGroup | None = None, on_error=None, cut
     ``(full, pathwise, score)`` triple to use for item ``i`` instead.
     ``cut``: each item's upstream tensors are the samples its parameters read (found by
     the caller, so not searched for again), which may be computed from each other (a
-    chain :math:`z_0 \to z_1 \to z_2`, a dense DAG): without a ``group`` the upstream
-    product stops the gradient below each of them (a backward pre-hook on its autograd
-    node, for that product only), as relays would.
+    chain :math:`z_0 \to z_1 \to z_2`, a dense DAG): the upstream product stops the
+    gradient below each of them (a backward pre-hook on its autograd node, for that product
+    only). ``names``: the items' site names, which an error in evaluating one names.
     """
     grad_mode = torch.is_grad_enabled()
     results: list = [None] * len(items)
@@ -690,13 +626,13 @@ def split_score_parts(items, group: RelayGroup | None = None, on_error=None, cut
             )
             alt = on_error(i, err) if on_error is not None else None
             if alt is None:
-                err.split_index = i  # type: ignore[attr-defined]
                 raise err from e
             results[i] = alt
             continue
         except ValueError as e:
-            e.split_index = i  # type: ignore[attr-defined]  # lets callers name the site
-            raise
+            if names is None:
+                raise
+            raise ValueError(f"Error while computing log_prob at site '{names[i]}':\n{e}") from e
         lp = parts.log_prob
         g_flow, score = (None, lp) if flow is None else flow
         distinct: dict[str, str] = {}  # part name -> the first name holding the same tensor
@@ -737,16 +673,16 @@ def split_score_parts(items, group: RelayGroup | None = None, on_error=None, cut
             target_index.append(tk)
         results[i] = (parts, distinct, score)
     if node_items:
-        cut = cut and group is None and len(ups_list) > 1
-        if group is None and len(ups_list) > 1 and not cut:
+        cut = cut and len(ups_list) > 1
+        if len(ups_list) > 1 and not cut:
             _check_independent(ups_list)
-        meta = (node_items, ups_list, targets, group, target_index, cut)
+        meta = (node_items, ups_list, targets, target_index, cut)
         provenance = [get_provenance(it.lp) for it in node_items]  # TraceGraph_ELBO's tracking
         if any(provenance) or any(get_provenance(t) for t in (*ups_list, *targets)):
             node_items = [_strip_provenance(it) for it in node_items]
             ups_list = [detach_provenance(u) for u in ups_list]
             targets = [detach_provenance(t) for t in targets]
-            meta = (node_items, ups_list, targets, group, target_index, cut)
+            meta = (node_items, ups_list, targets, target_index, cut)
         lps = [it.lp for it in node_items]
         outs = _Pathwise.apply(meta, *ups_list, *lps, *targets)
         split_of: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}

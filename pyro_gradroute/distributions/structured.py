@@ -120,9 +120,8 @@ def _live(orig: torch.Tensor, recomputed: torch.Tensor) -> torch.Tensor:
 def structured_pathwise(guide, records: dict) -> dict:
     """``{site name: (pathwise log_prob, is_point)}`` of a structured guide's sites in ``records``.
 
-    ``records``: the batch's :class:`~pyro_gradroute.poutine.split_distribution.SiteRecord`
-    by name (``raw``: the sample, ``parts[0]``: the full score parts, already evaluated for
-    the auxiliary sites). ``is_point``: a Delta site of ``AutoStructured``'s ``"delta"``
+    ``records``: the run's sites by name, as the handler holds them
+    (``raw``: the sample, ``fn``: its distribution, ``parts[0]``: its full score parts). ``is_point``: a Delta site of ``AutoStructured``'s ``"delta"``
     conditional (a deterministic function of parameters and upstream noise, no density).
     Raises :class:`StructuredNotSupported` naming the site where it cannot be exact.
     """

@@ -5,8 +5,7 @@ from .schedule import ScheduleConfig
 from .trace_adaptive_dreg_elbo import TraceAdaptiveDReG_ELBO
 from .trace_adaptive_elbo import TraceAdaptiveSTL_ELBO, TraceEnumAdaptiveSTL_ELBO
 from .trace_dreg_elbo import ReweightedWakeSleepDReG, TraceDReG_ELBO
-from .trace_elbo import Trace_ELBO
-from .trace_stl_elbo import TraceSTL_ELBO
+from .trace_elbo import Trace_ELBO, TraceSTL_ELBO
 
 __all__ = [
     "ReweightedWakeSleepDReG",

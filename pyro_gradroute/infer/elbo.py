@@ -85,29 +85,8 @@ class RoutedELBO(ELBO):
     def _particle_divisor(self) -> int:
         return self.num_particles
 
-    def _needs_split(self, site) -> bool:
-        """Whether the estimator uses the split parts of this guide site (else one plain evaluation)."""
-        return True
-
-    def _split_fallback(self, site, error) -> bool:
-        """Whether a site that cannot be split may use its ordinary gradient instead."""
-        return False
-
-    _pathwise = None  # optional record -> bool: sites whose score_parts carry the pathwise gradient
-
-    _splits = True  # False: the estimator uses no split part (the guide runs as under Pyro)
-
     def _get_trace(self, model, guide, args, kwargs):
-        return get_split_importance_trace(
-            self.max_plate_nesting,
-            model,
-            guide,
-            args,
-            kwargs,
-            needs_split=self._needs_split if self._splits else False,
-            fallback=self._split_fallback,
-            pathwise=self._pathwise,
-        )
+        return get_split_importance_trace(self.max_plate_nesting, model, guide, args, kwargs)
 
     def _particle_terms(self, model_trace, guide_trace, blocks=None) -> tuple[float, Terms]:
         raise NotImplementedError

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .elbo import EXTRA, Terms
-from .trace_adaptive_elbo import _Adaptive, _Cut, _grads, _score_part, _trace_params
+from .trace_adaptive_elbo import _Adaptive, _grads, _score_part, _trace_params
 from .trace_dreg_elbo import TraceDReG_ELBO
 from .traces import site_parts
 
@@ -110,7 +110,7 @@ class TraceAdaptiveDReG_ELBO(_Adaptive, TraceDReG_ELBO):
                     paths.append((w * one_minus_f * path).sum())
             s = _score_part(site)
             if s is not None:
-                scores.append(((w * s[0]).sum(), s[1]))
+                scores.append((w * s).sum())
         if blocks and (seeds or paths or scores):
             raise NotImplementedError(
                 "TraceAdaptiveDReG_ELBO does not support block_grad routes: its control "
@@ -141,8 +141,7 @@ class TraceAdaptiveDReG_ELBO(_Adaptive, TraceDReG_ELBO):
         scores = item["scores"]
         out = _grads(outs, params, grads, retain=True) if outs else {}
         if scores:
-            with _Cut(g for _, g in scores):
-                sg = _grads([s for s, _ in scores], params, retain=retain)
+            sg = _grads(scores, params, retain=retain)
             for p, g in sg.items():
                 out[p] = g if p not in out else out[p] + g
         return out

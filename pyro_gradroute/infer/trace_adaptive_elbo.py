@@ -25,16 +25,13 @@ from .. import routing
 from .._compat import param_store_leaves, trace_elbo_particles, trace_enum_elbo_particles
 from .._validation import check_float
 from ..distributed.gradients import average_gradients
-from ..distributions.normal import delta_of, normal_score, normal_sites
-from ..poutine.pathwise import latent_site
-from ..poutine.split_distribution import SplitDistribution
-from ..poutine.stick_the_landing_messenger import stick_the_landing, uses_pathwise
+from ..distributions.normal import normal_score, normal_sites
+from ..poutine.stick_the_landing_messenger import stick_the_landing
 from .control_variate import ControlVariate
 from .elbo import EXTRA, RoutedELBO, Terms, collect_blocks
 from .schedule import Schedule, ScheduleConfig
-from .trace_elbo import Trace_ELBO
-from .trace_stl_elbo import TraceSTL_ELBO
-from .traces import scaled
+from .trace_elbo import Trace_ELBO, TraceSTL_ELBO
+from .traces import PATHWISE, scaled
 
 __all__ = ["TraceAdaptiveSTL_ELBO", "TraceEnumAdaptiveSTL_ELBO"]
 
@@ -112,41 +109,23 @@ def _trace_params(*traces) -> list[torch.Tensor]:
 
 
 def _score_part(site):
-    r"""``(score, relay group)``: the site's score part :math:`\log q(\bot(z); \phi)`, scaled,
-    as a tensor whose gradient reaches the parameters only; ``None`` where it has none (not
-    split, a Delta computed from earlier draws, a family whose entropy term is not its
-    density).
-
-    The split of the general path (``SplitDistribution``, relays cut while differentiating)
-    is read from its records; everywhere else ``log q(z) - log q_path(z)`` of the site.
+    r"""The site's score part :math:`\log q(\bot(z); \phi)`, scaled: its density at the live
+    sample less the pathwise part the estimator's handler gave it (the difference's gradient
+    reaches the parameters directly only, not the sample nor the upstream samples it reads);
+    ``None`` where it has none (the handler gave it its ordinary parts: a score-function
+    site, a Delta computed from earlier draws, a point of a structured guide).
     """
-    fn = site["fn"]
-    if isinstance(fn, SplitDistribution):
-        if not fn.is_split(site["value"]):
-            return None
-        rec = fn.batch.records.get(site["name"])
-        if rec is None or rec.parts is None:
-            return None
-        full, path, score = rec.parts
-        if getattr(rec, "owner", None) is not None or delta_of(fn.base_dist) is not None:
-            if full.log_prob is path.log_prob or not torch.is_tensor(full.log_prob):
-                return None
-            diff = full.log_prob - path.log_prob  # the score part through every path: no cut
-            return (scaled(site, diff), None) if diff.requires_grad else None
-        if full.entropy_term is not full.log_prob or not torch.is_tensor(score):
-            return None
-        return (scaled(site, score), fn.batch.group) if score.requires_grad else None
-    if not latent_site(site) or not uses_pathwise(site) or delta_of(fn) is not None:
-        return None
+    rec = site.get(PATHWISE)
     value = site["value"]
-    if not (torch.is_tensor(value) and torch.is_grad_enabled()):
+    if rec is None or rec.parts is None or not torch.is_grad_enabled():
         return None
-    if not getattr(site["score_parts"], "conditional", True) and not _transformed(fn):
+    fn = rec.fn
+    if not rec.parts.conditional and not _transformed(fn):
         # parameters read no earlier sample: the density at the detached sample is the score part
         score = scaled(site, fn.log_prob(value.detach()))
-        return (score, None) if score.requires_grad else None
-    full = scaled(site, fn.log_prob(value))
-    return (full - site["log_prob"], None) if full.requires_grad else None
+    else:
+        score = scaled(site, fn.log_prob(value)) - site["log_prob"]
+    return score if score.requires_grad else None
 
 
 def _transformed(fn) -> bool:
@@ -155,21 +134,6 @@ def _transformed(fn) -> bool:
             return True
         fn = getattr(fn, "base_dist", None)
     return False
-
-
-class _Cut:
-    """Cut the relays of the general split while the score parts are differentiated."""
-
-    def __init__(self, groups):
-        self.groups = [g for g in groups if g is not None]
-
-    def __enter__(self):
-        for g in self.groups:
-            g.cut = True
-
-    def __exit__(self, *exc):
-        for g in self.groups:
-            g.cut = False
 
 
 def _grads(outputs, params, seeds=None, retain=False) -> dict:
@@ -619,7 +583,7 @@ class TraceAdaptiveSTL_ELBO(_Adaptive, TraceSTL_ELBO):
                 if site["type"] == "sample" and not site["is_observed"]:
                     s = _score_part(site)
                     if s is not None:
-                        scores.append((("guide", name), s[0].sum(), s[1]))
+                        scores.append((("guide", name), s.sum()))
             one_pass = not blocks and isinstance(normal_sites(guide_trace), list)
             terms[EXTRA] = {
                 "params": _trace_params(model_trace, guide_trace),
@@ -629,23 +593,14 @@ class TraceAdaptiveSTL_ELBO(_Adaptive, TraceSTL_ELBO):
         return elbo, terms
 
     def _cv_grads(self, item, params, blocks, seen, retain: bool) -> dict:
-        scores, n = item["scores"], self._particle_divisor()
-        out: dict = {}
-        cut = [x for x in scores if x[2] is not None]  # taken with the relays cut
-        uncut = [x for x in scores if x[2] is None]  # through every path
-        groups = [g for g in (cut, uncut) if g]
-        for i, group in enumerate(groups):
-            terms = {k: (s / n if n > 1 else s) for k, s, _ in group}
-            keep = retain or i < len(groups) - 1
-            with _Cut(g for _, _, g in group):
-                if blocks:
-                    gs = routing.grad(terms, params, block=blocks, retain_graph=keep, strict=False)
-                    got = dict(zip(params, gs))
-                else:
-                    got = _grads(list(terms.values()), params, retain=keep)
-            for p, g in got.items():
-                out[p] = g if p not in out else out[p] + g
-        return out
+        n = self._particle_divisor()
+        terms = {k: (s / n if n > 1 else s) for k, s in item["scores"]}
+        if not terms:
+            return {}
+        if blocks:
+            gs = routing.grad(terms, params, block=blocks, retain_graph=retain, strict=False)
+            return {p: g for p, g in zip(params, gs) if g is not None}
+        return _grads(list(terms.values()), params, retain=retain)
 
 
 class TraceEnumAdaptiveSTL_ELBO(TraceAdaptiveSTL_ELBO):

@@ -10,10 +10,12 @@ from pyro.poutine import Trace
 
 from .. import routing
 from ..distributions.detached import is_delta
-from ..poutine.split_distribution import SplitDistribution, check_delta_density
+from ..poutine.pathwise import DeltaDensityError
+from ..poutine.stick_the_landing_messenger import PathwiseDistribution, StickTheLandingMessenger
+from ..poutine.stl_policy import STLPolicy
 from ..routing import reaches_leaf_directly
 from .elbo import EXTRA, RoutedELBO, Terms, _joint_blocks, add_term, collect_blocks
-from .traces import get_split_importance_trace, refuse_model_enumeration, site_parts
+from .traces import PATHWISE, get_split_importance_trace, refuse_model_enumeration, site_parts
 
 
 def _gate(guide_trace: Trace) -> Trace:
@@ -90,7 +92,17 @@ def _inner_scale(site, outer: float):
 
 
 def _base(fn):
-    return fn.base_dist if isinstance(fn, SplitDistribution) else fn
+    return fn.base_dist if type(fn) is PathwiseDistribution else fn
+
+
+class _EverySite(STLPolicy):
+    """DReG's: every reparameterized site's pathwise part; a site that cannot be split raises."""
+
+    def uses_pathwise(self, site) -> bool:
+        return getattr(site["fn"], "has_rsample", False)
+
+    def fallback(self, name, error) -> bool:
+        return False
 
 
 def _same(a, b) -> bool:
@@ -231,6 +243,7 @@ class TraceDReG_ELBO(RoutedELBO):
         super().__init__(
             num_particles=num_particles, vectorize_particles=vectorize_particles, **kwargs
         )
+        self._handler = StickTheLandingMessenger(_policy=_EverySite(type(self).__name__))
 
     # the weightings that distinguish IWAE-DReG from RWS-DReG
     def _draw_factor(self, w: torch.Tensor, c) -> torch.Tensor:
@@ -246,14 +259,18 @@ class TraceDReG_ELBO(RoutedELBO):
         return 1  # the bound already combines the particles
 
     def _get_trace(self, model, guide, args, kwargs):
-        model_trace, guide_trace = get_split_importance_trace(
-            self.max_plate_nesting,
-            model,
-            guide,
-            args,
-            kwargs,
-            replay_values=_gate if self.num_particles > 1 else None,
-        )  # every site split; one that cannot be split raises (DReG needs its pathwise part)
+        try:  # every site's pathwise part; one that cannot be split raises
+            model_trace, guide_trace = get_split_importance_trace(
+                self.max_plate_nesting,
+                model,
+                guide,
+                args,
+                kwargs,
+                replay_values=_gate if self.num_particles > 1 else None,
+                context=self._handler,
+            )
+        except DeltaDensityError as e:
+            raise ValueError(f"{type(self).__name__}: {e}") from None
         refuse_model_enumeration(self, model_trace, guide_trace)
         return model_trace, guide_trace
 
@@ -297,7 +314,7 @@ class TraceDReG_ELBO(RoutedELBO):
         for name, site in guide_trace.nodes.items():
             if site["type"] != "sample" or site["is_observed"]:
                 continue
-            fn = site["fn"].base_dist if isinstance(site["fn"], SplitDistribution) else site["fn"]
+            fn = _base(site["fn"])
             parts = site["score_parts"]
             if not getattr(fn, "has_rsample", False):
                 if torch.is_tensor(parts.log_prob) and parts.log_prob.requires_grad:
@@ -317,22 +334,11 @@ class TraceDReG_ELBO(RoutedELBO):
                     "doubly-reparameterized identity does not cover. Use pyro.infer.RenyiELBO"
                     "(alpha=0) for this guide, or a family with a plain rsample."
                 )
-            if isinstance(site["fn"], SplitDistribution):
-                rec = site["fn"].batch.records.get(name)
-                if rec is not None:
-                    try:
-                        check_delta_density(rec)
-                    except ValueError as e:
-                        raise ValueError(f"{type(self).__name__}: {e}") from None
 
     def _site_factors(self, guide_sites, w, outer) -> dict:
         """``name -> factor`` on the gradient through each guide site's value (see the class docs)."""
-        records = {}
-        for name, site in guide_sites.items():
-            fn = site["fn"]
-            if isinstance(fn, SplitDistribution):
-                records[name] = fn.batch.records.get(name)
-        by_relay = {id(r.value): n for n, r in records.items() if r is not None}
+        records = {n: s.get(PATHWISE) for n, s in guide_sites.items()}
+        by_value = {id(r.value): n for n, r in records.items() if r is not None}
         c = {n: _inner_scale(s, outer) for n, s in guide_sites.items()}
         draws = {
             n
@@ -376,9 +382,9 @@ class TraceDReG_ELBO(RoutedELBO):
             ):
                 continue
             reached = [
-                by_relay[id(rec.upstream[i])] for i in routing.reached(rec.raw, rec.upstream)
+                by_value[id(rec.upstream[i])] for i in routing.reached(rec.value, rec.upstream)
             ]
-            direct = reaches_leaf_directly(rec.raw, rec.upstream)
+            direct = reaches_leaf_directly(rec.value, rec.upstream)
             if reached and direct:
                 raise ValueError(
                     f"{type(self).__name__}: guide site '{n}' is a Delta whose value depends both "
@@ -395,10 +401,10 @@ class TraceDReG_ELBO(RoutedELBO):
             for n in draws:
                 rec = records.get(n)
                 if rec is not None and rec.upstream:
-                    hit = set(routing.reached(rec.raw, rec.upstream)) | set(
-                        routing.reached(rec.parts[2], rec.upstream)
-                    )
-                    linked = [by_relay[id(rec.upstream[i])] for i in sorted(hit)]
+                    hit = set(routing.reached(rec.value, rec.upstream))
+                    if rec.score is not None:  # (what the split node's density reads)
+                        hit |= set(routing.reached(rec.score, rec.upstream))
+                    linked = [by_value[id(rec.upstream[i])] for i in sorted(hit)]
                     self._check_same_scale(n, linked + [n], c)
         return factors
 

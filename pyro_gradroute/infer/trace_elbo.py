@@ -43,11 +43,7 @@ class Trace_ELBO(RoutedELBO):
         >>> loss = svi.step(torch.randn(10))
     """
 
-    _splits = False  # only the ordinary log-densities: the guide runs exactly as under Pyro
     _stl_safe = True  # stick_the_landing is valid in it (a plain sum of log q's gradient)
-
-    def _needs_split(self, site) -> bool:
-        return False
 
     def _entropy_term(self, site):
         """The guide site's term whose gradient is taken pathwise (reparameterized sites)."""

@@ -1,14 +1,10 @@
-"""One model/guide trace pair per particle, with the guide's log-densities split once.
+"""One model/guide trace pair per particle: Pyro's ``get_importance_trace`` (``"flat"`` graph).
 
-:func:`get_split_importance_trace` is :func:`pyro.infer.enum.get_importance_trace`
-(``"flat"`` graph), with the guide run under a
-:class:`~pyro_gradroute.poutine.split_messenger.SplitMessenger`: each latent guide
-site's distribution is a :class:`~pyro_gradroute.poutine.split_distribution.SplitDistribution`,
-so Pyro's own ``Trace.compute_score_parts`` computes ``log_prob``, ``log_prob_sum``
-and ``score_parts`` (through each distribution's ``score_parts`` hook, so that
-``Rejector`` and masked distributions keep Pyro's meaning), every site's density
-evaluated once, and the estimators read the pathwise parts with
-:func:`site_parts`. The model's log-densities are Pyro's ``compute_log_prob``.
+The guide may run inside a messenger (the estimators' own
+:class:`~pyro_gradroute.poutine.StickTheLandingMessenger`), whose sites' ``score_parts``
+then carry the pathwise gradient; the trace's sites hold their base distributions and,
+under :data:`PATHWISE`, the handler's record of each. The model's log-densities are Pyro's
+``compute_log_prob``.
 """
 
 from __future__ import annotations
@@ -22,26 +18,11 @@ from pyro.infer.util import is_validation_enabled
 from pyro.poutine.util import prune_subsample_sites
 from pyro.util import check_if_enumerated, check_model_guide_match, check_site_shape
 
-from ..poutine._wrapped import WrappedDistribution
 from ..poutine.gated_distribution import unwrap_gates
-from ..poutine.split_distribution import SplitBatch, SplitDistribution
-from ..poutine.split_messenger import SplitMessenger
 from ..poutine.stick_the_landing_messenger import PathwiseDistribution
 
-
-class _StructuredSite(WrappedDistribution):
-    """(The adaptive shim above.)"""
-
-    _own = ("base_dist", "_path")
-
-    def __init__(self, base_dist, path):
-        self.base_dist, self._path = base_dist, path
-        super().__init__(base_dist.batch_shape, base_dist.event_shape, validate_args=False)
-
-    def log_prob(self, value, *args, **kwargs):
-        lp = self.base_dist.log_prob(value, *args, **kwargs)
-        path = None if self._path is None else self._path.log_prob
-        return lp if not torch.is_tensor(path) else lp + 0.0 * path
+#: the key of a guide trace site under which the handler's record of it is kept
+PATHWISE = "pathwise_site"
 
 
 def _check_finite(trace: poutine.Trace, role: str) -> None:
@@ -50,7 +31,7 @@ def _check_finite(trace: poutine.Trace, role: str) -> None:
     if not sites or not torch.isnan(sum(s["log_prob_sum"] for s in sites)):
         return
     site = next(s for s in sites if torch.isnan(s["log_prob_sum"]))
-    fn = site["fn"].base_dist if isinstance(site["fn"], SplitDistribution) else site["fn"]
+    fn = site["fn"]
     raise ValueError(
         f"NaN log-density at {role} site '{site['name']}' "
         f"(distribution {type(fn).__name__}). Check the site's parameters "
@@ -80,17 +61,14 @@ def refuse_model_enumeration(elbo, model_trace, guide_trace) -> None:
 def site_parts(site):
     """``(full, pathwise)`` :class:`~pyro.distributions.score_parts.ScoreParts` of a guide site, scaled and masked.
 
-    ``full`` is ``site["score_parts"]`` (Pyro's: ``log_prob`` and ``entropy_term``
-    scaled and masked, ``score_function`` neither); ``pathwise`` holds the same parts
-    with the parameters stopped (gradients reach the sample and the upstream samples
-    only), scaled and masked alike.
+    A site the estimator's handler took (its ``score_parts`` are the pathwise ones):
+    ``(None, site["score_parts"])``. Any other: ``site["score_parts"]`` and the same parts
+    with every gradient stopped.
     """
-    fn = site["fn"]
-    if not isinstance(fn, SplitDistribution):
-        full = site["score_parts"]
-        return full, type(full)(*(t.detach() if torch.is_tensor(t) else t for t in full))
-    _, path = fn.split_parts(site["value"])
-    return site["score_parts"], path.scale_and_mask(site["scale"], site["mask"])
+    full = site["score_parts"]
+    if site.get(PATHWISE) is not None:
+        return None, full
+    return full, type(full)(*(t.detach() if torch.is_tensor(t) else t for t in full))
 
 
 def scaled(site, t):
@@ -105,32 +83,20 @@ def get_split_importance_trace(
     args,
     kwargs,
     replay_values=None,
-    needs_split=None,
-    fallback=None,
-    pathwise=None,
     context=None,
 ):
-    """Run the guide once and the model once against it; split the guide's log-densities.
+    """Run the guide once (inside ``context``, if given) and the model once against it.
 
     :param replay_values: optional ``guide_trace -> trace`` giving the trace whose values
         the model replays (for instance with gradient-scaling nodes on the values, as
         :class:`~pyro_gradroute.infer.TraceDReG_ELBO` needs); default the guide trace.
-    :param needs_split: optional ``record -> bool``: the guide sites whose split parts the
-        estimator uses (``False``: none, and the guide runs exactly as under Pyro's ELBOs), and ``fallback(record, error) -> bool`` for sites that cannot be
-        split, and ``pathwise(record) -> bool`` for the sites whose ``score_parts`` carry
-        the pathwise gradient (see :class:`~pyro_gradroute.poutine.split_distribution.SplitBatch`).
-    :param context: a messenger the guide runs inside instead of the split (the estimator's
+    :param context: a messenger the guide runs inside (the estimator's
         :class:`~pyro_gradroute.poutine.StickTheLandingMessenger`); the guide trace's sites
         then hold their base distributions, with the parts it computed.
     :returns: ``(model_trace, guide_trace)`` with log-probabilities computed.
     """
-    # an estimator that splits no site (needs_split is False) runs the guide as Pyro does
-    if context is not None:
-        splitting = context
-    elif needs_split is not False:
-        splitting = SplitMessenger(SplitBatch(needs_split, fallback, pathwise))
-    else:
-        splitting = contextlib.nullcontext()
+    # without a context the guide runs as under Pyro's estimators
+    splitting = context if context is not None else contextlib.nullcontext()
     unwrapped_guide = poutine.unwrap(guide)
     if isinstance(unwrapped_guide, poutine.messenger.Messenger):
         if replay_values is not None:
@@ -164,15 +130,8 @@ def get_split_importance_trace(
                 fn = site["fn"]
                 if type(fn) is not PathwiseDistribution:
                     continue
-                rec = fn._site
-                if rec is not None and rec.owner is not None:
-                    # (a private shim for trace_adaptive_elbo._filled_score, which reads a
-                    # site's score part as its full density less its pathwise one: a
-                    # structured guide's site is no Delta there, and its full density
-                    # carries the graph even where its value reads no parameter)
-                    site["fn"] = _StructuredSite(fn.base_dist, rec.parts)
-                else:
-                    site["fn"] = fn.base_dist
+                site[PATHWISE] = fn._site  # the site as the handler saw it (upstream, owner, ...)
+                site["fn"] = fn.base_dist
     if validate:
         _check_finite(guide_trace, "guide")
     model_trace.compute_log_prob()

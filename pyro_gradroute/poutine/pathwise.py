@@ -85,9 +85,6 @@ class DeltaDensityError(ValueError):
     """A Delta site whose ``log_density`` depends on the guide's parameters directly."""
 
 
-NeedsGeneralSplit = DeltaDensityError  # (a private shim for trace_adaptive_elbo; never raised)
-
-
 class Conditional(NamedTuple):
     """A site evaluated with the others in one split node (see the module docstring)."""
 
@@ -328,15 +325,7 @@ def _split(items, earlier, fallback) -> None:
         return full, ScoreParts(*(_stop(t) for t in full)), None
 
     args = [(c.fn, c.value, [earlier[i] for i in c.upstream], s.preimage) for s, c in items]
-    try:
-        out = split_score_parts(args, on_error=on_error, cut=True)
-    except ValueError as e:
-        i = getattr(e, "split_index", None)
-        if i is None:
-            raise
-        raise ValueError(
-            f"Error while computing log_prob at site '{items[i][0].name}':\n{e}"
-        ) from e
+    out = split_score_parts(args, on_error=on_error, cut=True, names=[s.name for s, _ in items])
     for (s, _), (full, path, score) in zip(items, out):
         if score is None:  # fallen back: the ordinary parts
             s.parts = None

@@ -18,12 +18,9 @@ from ..routing import reaches_leaf_directly
 from ._wrapped import _EMPTY, WrappedDistribution
 from .gated_distribution import GatedDistribution
 from .pathwise import RunSite, _delta_error, evaluate_run
-from .stl_policy import STLPolicy, check_elbo, uses_pathwise
+from .stl_policy import STLPolicy, check_elbo
 
 __all__ = ["StickTheLandingMessenger", "stick_the_landing"]
-
-# (private shims for trace_adaptive_elbo and the diagnostics, until they import stl_policy)
-_SHIMS = (STLPolicy, check_elbo, uses_pathwise)
 
 
 class PathwiseDistribution(WrappedDistribution):

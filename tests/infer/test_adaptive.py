@@ -150,19 +150,14 @@ def test_endpoints_with_block_grad_route(b):
         assert not torch.allclose(ours["a"], unrouted["a"])
 
 
-class _IWAE(TraceDReG_ELBO):
-    """Hand-made IWAE surrogate on the same draws: all factors 1, the full guide log-density."""
-
-    def _site_factors(self, guide_sites, w, outer):
-        self._w = w
-        return {}
-
-    def _particle_terms(self, model_trace, guide_trace, blocks=None):
-        elbo, terms = super()._particle_terms(model_trace, guide_trace, blocks)
-        for name, site in guide_trace.nodes.items():
-            if site["type"] == "sample":
-                terms[("guide", name)] = -(self._w * site["log_prob"]).sum()
-        return elbo, terms
+def _IWAE(num_particles, max_plate_nesting):
+    """Pyro's IWAE bound (``RenyiELBO(alpha=0)``), which draws what ``TraceDReG_ELBO`` draws."""
+    return RenyiELBO(
+        alpha=0,
+        num_particles=num_particles,
+        max_plate_nesting=max_plate_nesting,
+        vectorize_particles=True,
+    )
 
 
 @pytest.mark.parametrize("K", [1, 4])
