@@ -117,6 +117,14 @@ def test_results_directives_name_their_command():
         text = page.read_text()
         for m in re.finditer(r"```\{results\} (\S+)\n(.*?)```", text, re.S):
             assert re.search(r":command: \S", m.group(2)), (page.name, m.group(1))
+            command = re.search(r":command: (.*)", m.group(2)).group(1)
+            for script in re.findall(r"(?:benchmarks/)?(bench_\w+\.py)", command):
+                source = (ROOT / "benchmarks" / script).read_text()
+                assert (
+                    "--results" not in command
+                    or "add_results_argument" in source
+                    or ('"--results"' in source)
+                ), f"{page.name}: {script} takes no --results ({command})"
 
 
 def test_user_model_of_the_command_page_loads_like_the_console_script(tmp_path, monkeypatch):
