@@ -35,6 +35,7 @@ def _assert_close(a: dict, b: dict) -> None:
         torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=0, msg=k)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("run", w.RUNS)
 def test_ddp_deterministic_guide_equals_one_process_on_the_union(ranks, run):
     torch.set_default_dtype(torch.float64)

@@ -41,6 +41,7 @@ def two_ranks(two_rank_run):
     return two_rank_run["results"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("elbo_name", workers.DELTA_RUNS)
 def test_deterministic_guide_two_ranks_equal_one_process_on_union(two_ranks, elbo_name):
     torch.set_default_dtype(torch.float64)
