@@ -20,6 +20,9 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import pyro
 import torch
 from pyro.nn import PyroModule
@@ -229,3 +232,115 @@ def trace_enum_elbo_particles(elbo, model, guide, args, kwargs):
         elbo_particle = _compute_dice_elbo(model_trace, guide_trace)
         loss = -float(elbo_particle.detach() if torch.is_tensor(elbo_particle) else elbo_particle)
         yield model_trace, guide_trace, loss, -elbo_particle
+
+
+# ---------------------------------------------------------------- distributions and handlers
+def distribution_fields(base) -> dict:
+    """The attributes ``Distribution.__init__`` sets (torch's private ``_batch_shape``,
+    ``_event_shape``, ``_validate_args``), with ``base``'s shapes and no validation: for a
+    wrapper built without the metaclass's call."""
+    return {
+        "_batch_shape": base.batch_shape,
+        "_event_shape": base.event_shape,
+        "_validate_args": False,
+    }
+
+
+def mask_of(fn):
+    """The mask of a Pyro ``MaskedDistribution`` (its private ``_mask``: a bool or a tensor)."""
+    return fn._mask
+
+
+def unquantized(value):
+    """The relaxed sample a straight-through value carries (Pyro's ``value._unquantize``,
+    set by ``RelaxedOneHotCategoricalStraightThrough`` and friends), or None."""
+    return getattr(value, "_unquantize", None)
+
+
+def set_unquantized(value, relaxed) -> None:
+    """Make the straight-through ``value`` carry ``relaxed`` as its relaxed sample."""
+    value._unquantize = relaxed
+
+
+def transform_call(t, x, cls=None):
+    """A transform's forward map without its cache (torch's ``Transform._call``), looked up
+    on ``cls`` when given (a class's own map, bypassing an override)."""
+    return t._call(x) if cls is None else cls._call(t, x)
+
+
+def default_dense_forward(net) -> bool:
+    """Whether a Pyro ``ConditionalDenseNN`` (or ``DenseNN``) runs the class's own private
+    ``_forward`` (no subclass override)."""
+    from pyro.nn import ConditionalDenseNN
+
+    return type(net)._forward is ConditionalDenseNN._forward
+
+
+def wrapping_messengers(fn) -> list:
+    """The messengers of the Pyro handlers applied to ``fn`` (``handler(fn)``), outermost first:
+    Pyro's ``handler(fn)`` is ``functools.partial(_context_wrap, messenger, fn)``."""
+    import functools
+
+    from pyro.poutine.messenger import Messenger
+
+    out = []
+    while isinstance(fn, functools.partial):
+        if len(fn.args) >= 2 and isinstance(fn.args[0], Messenger):
+            out.append(fn.args[0])
+            fn = fn.args[1]
+        else:
+            fn = fn.func
+    return out
+
+
+@contextlib.contextmanager
+def replaced_subsample(new):
+    """Within the block, Pyro's plates draw their subsample with ``new(fn, name, size,
+    subsample_size, subsample, use_cuda, device)``, ``fn`` being Pyro's own
+    ``SubsampleMessenger._subsample`` (a private static method, replaced on the class under a
+    lock: one block at a time)."""
+    from pyro.poutine.subsample_messenger import SubsampleMessenger
+
+    original = SubsampleMessenger.__dict__["_subsample"]
+    fn = original.__func__
+
+    def _subsample(name, size=None, subsample_size=None, subsample=None, use_cuda=None,
+                   device=None):  # fmt: skip
+        return new(fn, name, size, subsample_size, subsample, use_cuda, device)
+
+    with _SUBSAMPLE_LOCK:
+        SubsampleMessenger._subsample = staticmethod(_subsample)
+        try:
+            yield
+        finally:
+            SubsampleMessenger._subsample = original
+
+
+_SUBSAMPLE_LOCK = threading.RLock()
+
+
+# ---------------------------------------------------------------- Pyro's structured autoguides
+def autostructured_sites(g) -> list:
+    """``(name, site)`` of an ``AutoStructured``'s latent sites in its order (``_sorted_sites``)."""
+    return g._sorted_sites
+
+
+def autostructured_shapes(g, name: str) -> tuple:
+    """``(batch_shape, unconstrained event_shape)`` of an ``AutoStructured``'s site ``name``."""
+    return g._batch_shapes[name], g._unconstrained_event_shapes[name]
+
+
+def autogaussian_factors(g) -> dict:
+    """``name -> site`` of an ``AutoGaussian``'s factors, observed ones included (``_factors``)."""
+    return g._factors
+
+
+def autogaussian_dense_blocks(g) -> dict:
+    """``name -> shape`` of the blocks of an ``AutoGaussianDense``'s auxiliary draw, in its
+    layout (``_dense_shapes``)."""
+    return g._dense_shapes
+
+
+def autogaussian_unflatten(g, x) -> dict:
+    """An ``AutoGaussianDense``'s auxiliary draw ``x`` split into its blocks (``_dense_unflatten``)."""
+    return g._dense_unflatten(x)

@@ -747,7 +747,7 @@ def reaches_leaf_directly(
 ) -> bool:
     """Whether ``t``'s graph reaches a leaf that requires grad other than through ``stops``.
 
-    ``stops`` are tensors (relays, detached values) at which the search ends; or
+    ``stops`` are tensors (earlier samples, detached values) at which the search ends; or
     ``stop_nodes``, a container of their autograd nodes (non-leaf stops only).
     """
     if t.grad_fn is None:

@@ -43,6 +43,7 @@ def test_equal_time_difference_uses_the_baseline_total_time(bench):
     assert row["cpu_ratio"] == pytest.approx(4.0 / 3.0)
 
 
+@pytest.mark.slow
 def test_equal_time_elbo_is_read_between_kept_parameters(bench):
     """elbo_at evaluates the parameters kept around the time and leaves the final ones."""
     import pyro
@@ -170,6 +171,7 @@ def test_centered_stochastic_volatility_has_103_latents_and_trains(bench):
         assert r.cpu > 0
 
 
+@pytest.mark.slow
 def test_a_tiny_run_writes_the_results_file_with_its_header(bench, tmp_path):
     out = tmp_path / "results" / "convergence.md"
     bench.main(["--quick", "--models", "eight_schools", "--estimators", "trace,stl",

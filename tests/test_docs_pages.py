@@ -46,12 +46,14 @@ def test_page_runs(page):
     run_session(session)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("namespace", ["index.md"], indirect=True)
 def test_index_first_fit_is_near_the_data_mean(namespace):
     median = namespace["guide"].median()["loc"].item()
     assert median == pytest.approx(namespace["x"].mean().item(), abs=0.05)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("namespace", ["stl.md"], indirect=True)
 def test_stl_page_fits_what_its_comments_say(namespace):
     # the AutoNormal fit of the first block: the posterior of loc and scale, near the data's
@@ -63,6 +65,7 @@ def test_stl_page_fits_what_its_comments_say(namespace):
     assert abs(m[0] + 3) < 0.7 and abs(m[1] - 3) < 0.7
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("namespace", ["guides.md"], indirect=True)
 def test_guides_page_gamma_factor_is_near_the_exact_posterior(namespace):
     q = namespace["q"]  # exact posterior Gamma(20, 5)
@@ -71,6 +74,7 @@ def test_guides_page_gamma_factor_is_near_the_exact_posterior(namespace):
     assert namespace["samples"]["rate"].shape[0] == 100
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("namespace", ["adaptive.md"], indirect=True)
 def test_adaptive_page_mixture_finds_both_components(namespace):
     locs = namespace["guide"].median(namespace["data"])["locs"].detach().sort().values
@@ -143,6 +147,7 @@ def test_user_model_of_the_command_page_loads_like_the_console_script(tmp_path, 
     assert problem.heldout_args is not None and len(problem.args[0]) == 50
 
 
+@pytest.mark.slow
 def test_the_docs_build_with_warnings_as_errors(tmp_path):
     """``python -m sphinx -W``: autodoc reads every public docstring, every page and include."""
     import subprocess

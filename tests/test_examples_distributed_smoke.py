@@ -6,9 +6,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_smoke_run_prints_no_speed_up_figure():
     proc = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "distributed_vae.py"), "--smoke", "--timeout=30"],

@@ -2,9 +2,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_iwae_dreg_digits_smoke():
     out = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "iwae_dreg_digits.py"), "--smoke"],

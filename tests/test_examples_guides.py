@@ -15,6 +15,7 @@ def load(relative: str):
     return module
 
 
+@pytest.mark.slow
 def test_swap_family_smoke(capsys):
     load("examples/swap_family.py").main(["--smoke"])
     out = capsys.readouterr().out
@@ -25,6 +26,7 @@ def test_swap_family_smoke(capsys):
     assert out.count("(smoke run: not converged)") == 5  # every fitted figure is labelled
 
 
+@pytest.mark.slow
 def test_hierarchical_positive_scale_smoke(capsys):
     load("examples/hierarchical_positive_scale.py").main(["--smoke"])
     out = capsys.readouterr().out
@@ -34,6 +36,7 @@ def test_hierarchical_positive_scale_smoke(capsys):
     assert out.count("(smoke run: not converged)") == 3
 
 
+@pytest.mark.slow
 def test_bench_guides_smoke(capsys):
     load("benchmarks/bench_guides.py").main(["--smoke"])
     out = capsys.readouterr().out

@@ -7,6 +7,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "script", ["split_log_prob_gaussian.py", "stl_vae_digits.py", "stl_enumerated_mixture.py"]
 )

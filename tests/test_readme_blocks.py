@@ -43,6 +43,7 @@ def test_a_working_svi_loop_with_the_default_estimator_within_60_lines():
     assert first.prints, "the first example says what it prints"
 
 
+@pytest.mark.slow
 def test_the_first_fit_lands_on_the_exact_posterior():
     session = SESSIONS[0]
     assert session[0].line == python_blocks(README)[0].line
@@ -51,6 +52,7 @@ def test_the_first_fit_lands_on_the_exact_posterior():
     assert abs(ns["sd"] - ns["exact_sd"]) < 0.01
 
 
+@pytest.mark.slow
 def test_the_three_questions_run_and_the_route_equals_the_naive_two_passes():
     import torch
 

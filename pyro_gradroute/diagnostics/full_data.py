@@ -15,12 +15,9 @@ clear error naming the plate.
 
 from __future__ import annotations
 
-import threading
 from contextlib import contextmanager
 
-from pyro.poutine.subsample_messenger import SubsampleMessenger
-
-_LOCK = threading.RLock()
+from .._compat import replaced_subsample
 
 
 class FullDataError(ValueError):
@@ -51,11 +48,8 @@ def full_plates():
         ([0, 1, 2, 3, 4, 5, 6, 7, 8, 9], {'data': (3, 10)})
     """
     made_full: dict[str, tuple[int, int]] = {}
-    original = SubsampleMessenger.__dict__["_subsample"]
-    fn = original.__func__
 
-    def _subsample(name, size=None, subsample_size=None, subsample=None, use_cuda=None,
-                   device=None):  # fmt: skip
+    def _subsample(fn, name, size, subsample_size, subsample, use_cuda, device):
         if size is not None and (subsample_size is not None or subsample is not None):
             used = subsample_size if subsample is None else len(subsample)
             if int(used) != int(size):
@@ -63,12 +57,8 @@ def full_plates():
             return fn(name, size, None, None, use_cuda, device)
         return fn(name, size, subsample_size, subsample, use_cuda, device)
 
-    with _LOCK:
-        SubsampleMessenger._subsample = staticmethod(_subsample)
-        try:
-            yield made_full
-        finally:
-            SubsampleMessenger._subsample = original
+    with replaced_subsample(_subsample):
+        yield made_full
 
 
 def full_data_error(made_full: dict, error: BaseException) -> FullDataError:

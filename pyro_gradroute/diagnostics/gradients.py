@@ -19,7 +19,6 @@ zero at every draw (STL at the exact posterior) has SNR NaN: it has no noise and
 from __future__ import annotations
 
 import copy
-import functools
 import math
 import weakref
 from collections.abc import Mapping
@@ -28,9 +27,8 @@ from dataclasses import dataclass
 import pyro
 import pyro.poutine as poutine
 import torch
-from pyro.poutine.messenger import Messenger
 
-from .._compat import handler_stack
+from .._compat import handler_stack, wrapping_messengers
 from .._validation import check_elbo, check_int, check_mapping
 from ..poutine.stick_the_landing_messenger import StickTheLandingMessenger
 from ..poutine.stl_policy import STLPolicy
@@ -131,18 +129,6 @@ def _param_names(model, guide, args, kwargs) -> tuple[list[str], list[str]]:
     return guide_names, model_names
 
 
-def _wrapping_messengers(fn) -> list:
-    """The messengers of the Pyro handlers applied to ``fn`` (``handler(fn)``), outermost first."""
-    out = []
-    while isinstance(fn, functools.partial):  # Pyro's handler(fn): partial(_context_wrap, m, fn)
-        if len(fn.args) >= 2 and isinstance(fn.args[0], Messenger):
-            out.append(fn.args[0])
-            fn = fn.args[1]
-        else:
-            fn = fn.func
-    return out
-
-
 def _step_counters(elbo, guide) -> list[STLPolicy]:
     """The sticking-the-landing policies whose step counts a draw advances (``trace_steps``).
 
@@ -150,13 +136,13 @@ def _step_counters(elbo, guide) -> list[STLPolicy]:
     ``stick_the_landing`` handlers wrapping the guide or active around the call.
     """
     found = {id(v): v for v in vars(elbo).values() if isinstance(v, STLPolicy)}
-    for m in (*_wrapping_messengers(guide), *handler_stack()):
+    for m in (*wrapping_messengers(guide), *handler_stack()):
         if isinstance(m, StickTheLandingMessenger):
             found[id(m._policy)] = m._policy
     return list(found.values())
 
 
-#: caches keyed weakly on guides (an STL policy's memo of which guides need the general split)
+#: weakly keyed caches (e.g. keyed on guides): shared with the estimator, never copied
 _WEAK = (weakref.WeakSet, weakref.WeakKeyDictionary, weakref.WeakValueDictionary)
 
 

@@ -23,14 +23,15 @@ Which distributions qualify (:func:`detached_copy` returns ``None`` otherwise):
   saturating sigmoid keeps its value, exactly as Pyro's ``log_prob`` does).
 
 Not ``Delta`` (no random draw), flows (parametrized transforms), distributions with
-their own ``score_parts`` (``Rejector``), and straight-through samples: those take the
-general split (:mod:`~pyro_gradroute.distributions.split`).
+their own ``score_parts`` (``Rejector``), and straight-through samples: for those
+:func:`~pyro_gradroute.poutine.pathwise.site_pathwise` takes another rule (the flow rule,
+the JIT's two evaluations, or the split node of :mod:`~pyro_gradroute.distributions.split`).
 
 A family that keeps a parameter where a shallow copy cannot see it (a closure, a
 module) must not silently lose its score part: the first time a distribution type is
 seen with parameters that require grad, :func:`detached_copy` checks that the copy's
 log-density at a detached value requires no gradient at all, and refuses the type
-(``None``: the general split) if it does.
+(``None``: another rule of ``site_pathwise``) if it does.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from torch.distributions import Distribution, Independent, TransformedDistributi
 from torch.distributions.transforms import ComposeTransform, IndependentTransform
 
 from .._compat import set_transform_cache, transform_cache
+from ..routing import reaches_leaf_directly
 from . import flows
 
 __all__ = ["detached_copy", "param_tensors"]
@@ -185,7 +187,7 @@ def detached_copy(
             has_params = fn.log_prob(v).requires_grad
             if has_params:  # does the copy hold them all?
                 verdict = _VERIFIED[sig] = not new.log_prob(v).requires_grad
-        except Exception:  # cannot be checked at a detached value: the general split decides
+        except Exception:  # cannot be checked at a detached value: another rule decides
             return None
         finally:
             for t, cache in caches:
@@ -243,3 +245,11 @@ def is_delta(fn: Distribution) -> bool:
     it is not a random draw.
     """
     return delta_base(fn) is not None
+
+
+def density_reads_parameters(delta: Delta, nodes: dict) -> bool:
+    """Whether the ``log_density`` of the Delta ``delta`` (from :func:`delta_base`) reads a
+    parameter directly, not only through the earlier samples whose autograd nodes are the
+    keys of ``nodes`` (as AutoStructured's and AutoGaussian's Deltas do)."""
+    ld = delta.log_density
+    return torch.is_tensor(ld) and ld.requires_grad and reaches_leaf_directly(ld, stop_nodes=nodes)

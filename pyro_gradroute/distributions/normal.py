@@ -19,14 +19,13 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-from pyro.distributions import Delta
-from pyro.distributions.torch_distribution import ExpandedDistribution, MaskedDistribution
 from pyro.distributions.util import scale_and_mask
 from pyro.poutine.util import site_is_subsample
 from torch.distributions import Independent, Normal, TransformedDistribution
 from torch.distributions.transforms import ComposeTransform
 
 from ..routing import passes_product, reached_nodes, reaches_leaf_directly
+from .detached import delta_base, density_reads_parameters
 
 __all__ = ["NormalSite", "normal_pushforward", "normal_score", "normal_sites", "plain_normal"]
 
@@ -159,13 +158,6 @@ class NormalSite(NamedTuple):
     transforms: list  # parameter-free bijections pushing the Normal forward, in order
 
 
-def delta_of(fn):
-    """The ``Delta`` inside ``fn`` (under ``Independent``, ``expand``, ``mask``), or ``None``."""
-    while isinstance(fn, (Independent, ExpandedDistribution, MaskedDistribution)):
-        fn = fn.base_dist
-    return fn if isinstance(fn, Delta) else None
-
-
 def normal_sites(trace) -> list[NormalSite] | str:
     r"""The guide sites whose score part is closed-form at their ``Normal``'s parameters, or
     the reason (naming the site) why a site is not one.
@@ -198,14 +190,9 @@ def normal_sites(trace) -> list[NormalSite] | str:
             return f"guide site '{name}' is enumerated or a subsample site"
         fn, value = site["fn"], site["value"]
         grad = torch.is_tensor(value) and value.requires_grad
-        delta = delta_of(fn)
+        delta = delta_base(fn)
         if delta is not None:
-            ld = delta.log_density
-            if (
-                torch.is_tensor(ld)
-                and ld.requires_grad
-                and reaches_leaf_directly(ld, stop_nodes=nodes)
-            ):
+            if density_reads_parameters(delta, nodes):
                 return f"guide site '{name}' is a Delta whose density reads parameters"
             if (
                 site["infer"].get("is_auxiliary")

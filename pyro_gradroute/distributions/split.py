@@ -85,7 +85,7 @@ from pyro.distributions.torch_distribution import (
 from pyro.ops.provenance import detach_provenance, get_provenance, track_provenance
 from torch.distributions import Distribution, Independent, TransformedDistribution
 
-from .._compat import sum_rightmost, transform_cache
+from .._compat import set_unquantized, sum_rightmost, transform_cache, unquantized
 from ..routing import reached
 from . import flows
 
@@ -430,7 +430,7 @@ def _evaluate(fn: Distribution, value: torch.Tensor, preimage, grad_mode: bool, 
         lp, g, score = flows.evaluate(preimage, grad_mode)
         parts = ScoreParts(lp, 0, lp) if fn.has_rsample else ScoreParts(lp, lp, 0)
         return preimage.target, None, parts, (g, score)
-    unq = getattr(value, "_unquantize", None)
+    unq = unquantized(value)
     if preimage is not None:
         target = preimage
         v = preimage.detach().requires_grad_(preimage.requires_grad and grad_mode)
@@ -440,8 +440,8 @@ def _evaluate(fn: Distribution, value: torch.Tensor, preimage, grad_mode: bool, 
     if unq is not None:
         target = unq
         v = value.detach()
-        v._unquantize = unq.detach().requires_grad_(unq.requires_grad and grad_mode)
-        return target, v._unquantize, _score_parts(fn, v), None
+        set_unquantized(v, unq.detach().requires_grad_(unq.requires_grad and grad_mode))
+        return target, unquantized(v), _score_parts(fn, v), None
     v = value.detach().requires_grad_(value.requires_grad and grad_mode)
     if _default_score_parts(fn):
         return value, v, _score_parts(fn, v), None

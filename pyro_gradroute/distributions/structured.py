@@ -48,7 +48,16 @@ from pyro.infer.autoguide import AutoStructured
 from pyro.infer.autoguide.gaussian import AutoGaussian, AutoGaussianDense
 from torch.distributions import biject_to
 
-from .._compat import find_frame, pyro_name
+from .._compat import (
+    autogaussian_dense_blocks,
+    autogaussian_factors,
+    autogaussian_unflatten,
+    autostructured_shapes,
+    autostructured_sites,
+    find_frame,
+    pyro_name,
+)
+from .detached import delta_base
 
 __all__ = ["StructuredNotSupported", "calling_structured_guide", "structured_pathwise"]
 
@@ -130,7 +139,9 @@ def structured_pathwise(guide, records: dict) -> dict:
             raise StructuredNotSupported(_override_msg(guide, "get_deltas"))
         return _autostructured(guide, records)
     if isinstance(guide, AutoGaussian):
-        name = next(iter(n for n, s in guide._factors.items() if not s["is_observed"]), "?")
+        name = next(
+            iter(n for n, s in autogaussian_factors(guide).items() if not s["is_observed"]), "?"
+        )
         if not isinstance(guide, AutoGaussianDense):
             raise StructuredNotSupported(
                 f"guide site '{name}': {type(guide).__name__} (AutoGaussian with a backend other "
@@ -182,7 +193,7 @@ def _autostructured(g, records: dict) -> dict:
     out: dict = {}
     live: dict = {}  # aux_values with live parameters (the guide's own arithmetic)
     hat: dict = {}  # aux_values recovered from the live sample, parameters stopped
-    for name, site in g._sorted_sites:
+    for name, site in autostructured_sites(g):
         rec = _record(records, name, "a latent")
         cond = g.conditionals[name]
         loc = attrgetter(name)(g.locs)
@@ -219,9 +230,10 @@ def _autostructured(g, records: dict) -> dict:
         for up in ups:
             a = a + attrgetter(up)(deps)(live[up])
         live[name] = a
-        batch_shape = torch.broadcast_shapes(a.shape[:-1], g._batch_shapes[name])
+        site_batch, event_shape = autostructured_shapes(g, name)
+        batch_shape = torch.broadcast_shapes(a.shape[:-1], site_batch)
         flat = a + loc
-        u = flat.reshape(batch_shape + g._unconstrained_event_shapes[name])
+        u = flat.reshape(batch_shape + event_shape)
         transform = biject_to(site["fn"].support)
         value = transform(u)
         _check_close(name, "value", value, rec.raw)
@@ -252,7 +264,7 @@ def _autostructured(g, records: dict) -> dict:
         out[name + "_aux"] = (_live(aux_full, aux.fn.log_prob(r)), False)
         ld = ld0.reshape(batch_shape + (-1,)).sum(-1)
         ld = ld + transform.inv.log_abs_det_jacobian(value, u)
-        d = _delta(rec.fn)
+        d = delta_base(rec.fn)
         _check_close(name, "log_density", ld, torch.as_tensor(d.log_density).expand(ld.shape))
         out[name] = (_live(rec.parts[0].log_prob, ld.expand(rec.parts[0].log_prob.shape)), False)
     return out
@@ -267,12 +279,6 @@ def _dep_msg(name: str, up: str) -> str:
     )
 
 
-def _delta(fn):
-    from .detached import delta_base
-
-    return delta_base(fn)
-
-
 def _autogaussian(g, records: dict) -> dict:
     aux_name = f"_{pyro_name(g)}_latent"
     aux = _record(records, aux_name, "the auxiliary Gaussian draw")
@@ -283,10 +289,10 @@ def _autogaussian(g, records: dict) -> dict:
             f"{type(fn).__name__}, not the MultivariateNormal the dense backend draws, so "
             "the pathwise part is not available. Use pyro_gradroute.infer.Trace_ELBO."
         )
-    x = g._dense_unflatten(aux.raw)
+    x = autogaussian_unflatten(g, aux.raw)
     out: dict = {}
     x_hat: dict = {}
-    for name, site in g._factors.items():
+    for name, site in autogaussian_factors(g).items():
         if site["is_observed"]:
             continue
         rec = _record(records, name, "a latent")
@@ -300,16 +306,18 @@ def _autogaussian(g, records: dict) -> dict:
         ld = transform.inv.log_abs_det_jacobian(value, u) - scale.detach().log().reshape(
             site["fn"].batch_shape + (-1,)
         ).sum(-1)
-        d = _delta(rec.fn)
+        d = delta_base(rec.fn)
         _check_close(name, "log_density", ld, torch.as_tensor(d.log_density).expand(ld.shape))
         out[name] = (_live(rec.parts[0].log_prob, ld.expand(rec.parts[0].log_prob.shape)), False)
-    for name in g._dense_shapes:
+    for name in autogaussian_dense_blocks(g):
         if name not in x_hat:  # an observed site's block (its values are the data)
             x_hat[name] = x[name].detach()
     # flattened as the auxiliary draw is laid out (Pyro's _dense_flatten infers each block's
     # sample shape from its own shape, which differs between blocks under vectorized particles)
     sample_shape = aux.raw.shape[:-1]
-    flat_hat = torch.cat([x_hat[d].reshape(sample_shape + (-1,)) for d in g._dense_shapes], -1)
+    flat_hat = torch.cat(
+        [x_hat[d].reshape(sample_shape + (-1,)) for d in autogaussian_dense_blocks(g)], -1
+    )
     _check_close(aux_name, "auxiliary draw", flat_hat, aux.raw, 1.0 + aux.raw.abs().max().item())
     stopped = MultivariateNormal(fn.loc.detach(), scale_tril=fn.scale_tril.detach())
     out[aux_name] = (_live(aux.parts[0].log_prob, stopped.log_prob(flat_hat)), False)

@@ -9,6 +9,7 @@ from pyro.infer.util import get_dependent_plate_dims
 from pyro.poutine import Trace
 
 from .. import routing
+from .._compat import set_unquantized, unquantized
 from ..distributions.detached import is_delta
 from ..poutine.pathwise import DeltaDensityError
 from ..poutine.stick_the_landing_messenger import PathwiseDistribution, StickTheLandingMessenger
@@ -31,8 +32,8 @@ def _gate(guide_trace: Trace) -> Trace:
         if site["type"] == "sample" and torch.is_tensor(value) and value.requires_grad:
             site = dict(site)
             site["value"] = value.view_as(value)
-            if hasattr(value, "_unquantize"):
-                site["value"]._unquantize = value._unquantize
+            if unquantized(value) is not None:
+                set_unquantized(site["value"], unquantized(value))
             trace.nodes[name] = site
     return trace
 

@@ -9,7 +9,7 @@ import torch
 from pyro.distributions import Delta, MaskedDistribution
 from pyro.poutine.messenger import Messenger
 
-from .._compat import Subsample, is_deterministic_site
+from .._compat import Subsample, is_deterministic_site, mask_of
 from .gated_distribution import GatedDistribution
 from .resolve import BlockSpec, ModuleSpec, ParamSpec
 
@@ -205,7 +205,9 @@ def _is_deterministic(msg) -> bool:
         return True
     fn = msg["fn"]
     return (
-        isinstance(fn, MaskedDistribution) and fn._mask is False and isinstance(fn.base_dist, Delta)
+        isinstance(fn, MaskedDistribution)
+        and mask_of(fn) is False
+        and isinstance(fn.base_dist, Delta)
     )
 
 

@@ -37,8 +37,9 @@ import torch
 from pyro.distributions.score_parts import ScoreParts
 from pyro.poutine.util import site_is_subsample
 
+from .._compat import unquantized
 from ..distributions import flows
-from ..distributions.detached import delta_base, detached_copy
+from ..distributions.detached import delta_base, density_reads_parameters, detached_copy
 from ..distributions.split import (
     SplitNotSupported,
     _flow_candidate,
@@ -131,14 +132,13 @@ def site_pathwise(name: str, fn, value: torch.Tensor, earlier: list, nodes: dict
     """
     d = delta_base(fn)
     if d is not None:
-        ld = d.log_density
-        if torch.is_tensor(ld) and ld.requires_grad and reaches_leaf_directly(ld, stop_nodes=nodes):
+        if density_reads_parameters(d, nodes):
             if owner is not None:
                 return owner
             raise _delta_error(name)
         return None
     tracing = torch.jit.is_tracing()
-    if not hasattr(value, "_unquantize"):  # (straight-through: the density is at the relaxed value)
+    if unquantized(value) is None:  # (straight-through: the density is at the relaxed value)
         params: list[torch.Tensor] = []
         copy = detached_copy(fn, value, params)  # None where fn is not a plain family
         if copy is not None:

@@ -10,11 +10,10 @@ import torch
 from pyro.poutine.messenger import Messenger
 from torch.distributions import Distribution, TransformedDistribution, kl_divergence, register_kl
 
-from .._compat import Subsample, calling_elbo
-from ..distributions.detached import delta_base, param_tensors
+from .._compat import Subsample, calling_elbo, distribution_fields
+from ..distributions.detached import delta_base, density_reads_parameters, param_tensors
 from ..distributions.split import preimage_rsample
 from ..distributions.structured import calling_structured_guide
-from ..routing import reaches_leaf_directly
 from ._wrapped import _EMPTY, WrappedDistribution
 from .gated_distribution import GatedDistribution
 from .pathwise import RunSite, _delta_error, evaluate_run
@@ -46,9 +45,7 @@ class PathwiseDistribution(WrappedDistribution):
             "_value": None,
             "_pre": None,
             "_site": None,
-            "_batch_shape": base_dist.batch_shape,
-            "_event_shape": base_dist.event_shape,
-            "_validate_args": False,
+            **distribution_fields(base_dist),
         }
         return self
 
@@ -182,11 +179,11 @@ class StickTheLandingMessenger(Messenger):
     def __init__(self, trace_steps: int = 0, switch=None, *, _policy: STLPolicy | None = None):
         if switch is not None:
             raise ValueError(
-                f"stick_the_landing: switch={switch!r} is no longer an option of the handler. "
-                "The measured switch between Trace_ELBO and sticking the landing is "
+                f"stick_the_landing: switch={switch!r}: the handler has no switch: it sticks "
+                "the landing after trace_steps=N steps (0 by default). The measured switch "
+                "between Trace_ELBO and sticking the landing is "
                 "pyro_gradroute.infer.TraceAdaptiveSTL_ELBO(mix_gain=math.inf) (or "
-                "TraceEnumAdaptiveSTL_ELBO for enumerated models); trace_steps=N starts "
-                "sticking the landing after N steps."
+                "TraceEnumAdaptiveSTL_ELBO for enumerated models)."
             )
         super().__init__()
         self._owned = _policy is not None  # an estimator's own handler: it counts the steps
@@ -251,12 +248,8 @@ class StickTheLandingMessenger(Messenger):
         d = delta_base(base)
         owner = None
         if d is not None:  # no random draw: its ordinary parts, unless its density reads
-            ld = d.log_density  # parameters directly (a structured guide's map, or an error)
-            if (
-                torch.is_tensor(ld)
-                and ld.requires_grad
-                and reaches_leaf_directly(ld, stop_nodes=run.nodes)
-            ):
+            # parameters directly (a structured guide's map, or an error)
+            if density_reads_parameters(d, run.nodes):
                 owner = calling_structured_guide()
                 if owner is None:
                     raise _delta_error(name)

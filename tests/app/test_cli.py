@@ -47,6 +47,7 @@ def model(x):
 """
 
 
+@pytest.mark.slow
 def test_bare_form_runs_end_to_end(tmp_path):
     """``python -m pyro_gradroute --model X`` (no 'compare'): table on stdout, phases on stderr."""
     out = tmp_path / "plots"
@@ -65,6 +66,7 @@ def test_bare_form_runs_end_to_end(tmp_path):
     assert_pngs(out)
 
 
+@pytest.mark.slow
 def test_user_module_function(tmp_path, monkeypatch, capsys):
     write_module(
         tmp_path,
@@ -205,6 +207,7 @@ def problem():
 """
 
 
+@pytest.mark.slow
 def test_error_in_user_code_shows_the_users_frames(tmp_path):
     write_module(tmp_path, "broken_gr_model", BROKEN_MODEL)
     proc = run("--model", "broken_gr_model:problem", "--out", str(tmp_path / "o"), *TINY,
@@ -303,6 +306,7 @@ def test_renyi_and_enumeration_estimators(name):
         assert pyro.param("m").unconstrained().grad.abs().max() < 1e-12
 
 
+@pytest.mark.slow
 def test_adaptive_estimator_prints_its_variance_reduction(tmp_path, capsys):
     flags = ["--steps", "20", "--snr-draws", "3", "--samples", "20", "--no-progress"]
     code = main(

@@ -23,6 +23,7 @@ def _run(capsys, tmp_path, *flags):
     return rc, capsys.readouterr()
 
 
+@pytest.mark.slow
 def test_lr_100_flags_every_estimator_and_exits_0(capsys, tmp_path):
     rc, cap = _run(capsys, tmp_path, "--lr", "100", "--steps", "40", "--estimators",
                    "trace,stl,iwae,dreg")  # fmt: skip
@@ -42,6 +43,7 @@ def test_lr_1e6_exploding_iwae_and_dreg_are_flagged_never_best(capsys, tmp_path)
     assert not any(line.startswith("best") for line in cap.out.splitlines())
 
 
+@pytest.mark.slow
 def test_a_diverged_fit_is_never_called_best_while_the_others_go_on(capsys, tmp_path, monkeypatch):
     """One estimator explodes (finite losses of 1e13), the other fits: the fitted one is best."""
     real = compare_mod.make_elbo

@@ -7,6 +7,7 @@ from pyro_gradroute.app.compare import compare_estimators, format_table
 from pyro_gradroute.app.models import MODELS, load_problem
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_every_bundled_model_runs_through_compare(name):
     (r,) = compare_estimators(name, ["stl"], steps=2, snr_draws=2, num_samples=20, progress=False)
@@ -45,6 +46,7 @@ def test_suggest_prefers_heldout_and_flags_unreliable_guides():
     assert line.startswith("best log p(x) estimate among guides with k-hat <= 0.7: stl")
 
 
+@pytest.mark.slow
 def test_forest_plot_with_the_installed_arviz(tmp_path):
     """ArviZ's own forest plot (0.23: plot_forest on a list; 1.x: on a dict of DataTrees)."""
     from pyro_gradroute.app import plots
@@ -55,6 +57,7 @@ def test_forest_plot_with_the_installed_arviz(tmp_path):
     assert (tmp_path / "f.png").read_bytes()[:4] == b"\x89PNG" and path.endswith("f.png")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["adaptive", "adaptive-dreg"])
 def test_adaptive_estimators_report_weights_and_variance_reduction(name, tmp_path):
     from pyro_gradroute.app.plots import write_plots

@@ -4,6 +4,8 @@ import pkgutil
 import subprocess
 import sys
 
+import pytest
+
 import pyro_gradroute
 
 LIBRARY = sorted(
@@ -13,6 +15,7 @@ LIBRARY = sorted(
 )
 
 
+@pytest.mark.slow
 def test_library_modules_do_not_import_the_app():
     assert "pyro_gradroute.infer" in LIBRARY and "pyro_gradroute.diagnostics" in LIBRARY
     code = (
@@ -92,6 +95,7 @@ FORBIDDEN = {  # layer -> the layers it never imports
 }
 
 
+@pytest.mark.slow
 def test_every_layer_imports_only_downward():
     graph = import_graph()
     assert "pyro_gradroute.poutine.stick_the_landing_messenger" in graph

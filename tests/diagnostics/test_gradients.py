@@ -34,6 +34,7 @@ def test_params_grads_and_rng_are_left_untouched():
     assert torch.equal(torch.get_rng_state(), rng)
 
 
+@pytest.mark.slow
 def test_matches_hand_computed_mean_and_variance():
     # log p(x, z) = -z^2/2 - sum (x_i - z)^2 / 2 + c, z = m + s eps. Trace_ELBO's gradient of the
     # loss w.r.t. m is -(d/dz log p) = (n + 1) z - sum x  (the entropy does not depend on m),

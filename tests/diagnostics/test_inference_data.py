@@ -204,6 +204,7 @@ def test_posterior_and_predictive_plots_accept_it(idata):
     plt.close("all")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("estimator", sorted(ESTIMATORS))
 def test_a_users_session_fit_convert_summary_loo(estimator):
     """Fit with each estimator, convert, az.summary, az.loo: the conjugate posterior

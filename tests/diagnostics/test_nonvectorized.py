@@ -63,6 +63,7 @@ def test_falls_back_to_one_draw_at_a_time_with_a_warning(fitted):
     assert torch.isfinite(draws.log_ratios).all()
 
 
+@pytest.mark.slow
 def test_inference_data_follows_arviz_conventions_and_arviz_works(fitted, tmp_path):
     model, guide, x, y = fitted
     az = import_arviz()
@@ -117,6 +118,7 @@ def test_heldout_log_likelihood_one_draw_at_a_time(fitted):
     assert -3.0 < ll < 0.0 and se > 0
 
 
+@pytest.mark.slow
 def test_compare_fits_and_measures_a_model_that_does_not_vectorize(fitted):
     from pyro_gradroute.app.compare import compare_estimators
 

@@ -11,6 +11,7 @@ from tests.conjugate import fit, poisson_gamma
 from .models import fixed_normal_guide, gaussian, gaussian_posterior
 
 
+@pytest.mark.slow
 def test_conjugate_model_fitted_with_exact_family_is_good():
     case = poisson_gamma()
     guide, _ = fit(case, "TraceSTL_ELBO")  # AutoMeanField with a Gamma factor

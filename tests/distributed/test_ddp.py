@@ -35,6 +35,7 @@ def _assert_close(a: dict, b: dict) -> None:
         torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=0, msg=k)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("run", w.RUNS)
 def test_ddp_deterministic_guide_equals_one_process_on_the_union(ranks, run):
     torch.set_default_dtype(torch.float64)
@@ -50,6 +51,7 @@ def test_ddp_deterministic_guide_equals_one_process_on_the_union(ranks, run):
     _assert_close(r1["final"], ref)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("run", w.RUNS)
 def test_ddp_stochastic_guide_equals_the_average_of_the_ranks_gradients(ranks, run):
     torch.set_default_dtype(torch.float64)
@@ -61,6 +63,7 @@ def test_ddp_stochastic_guide_equals_the_average_of_the_ranks_gradients(ranks, r
     _assert_close(r0["final"], ref)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("run", [r for r in w.RUNS if r.partition("+")[0] in w.ADAPTIVE])
 def test_ddp_adaptive_equals_svi_with_distributed_optimizer_and_state_agrees(ranks, run):
     torch.set_default_dtype(torch.float64)
@@ -86,6 +89,7 @@ def test_ddp_adaptive_equals_svi_with_distributed_optimizer_and_state_agrees(ran
                     )  # identical on every rank
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("run", [r for r in w.RUNS if r.partition("+")[0] in w.ADAPTIVE])
 def test_ddp_adaptive_equals_one_process_from_its_endpoints(ranks, run):
     """One process, no DDP and no process group: each step's DDP gradient is the ranks' mean of
@@ -118,6 +122,7 @@ def test_ddp_adaptive_equals_one_process_from_its_endpoints(ranks, run):
             torch.testing.assert_close(state[k], v, atol=1e-9, rtol=0, msg=k)
 
 
+@pytest.mark.slow
 def test_block_grad_changes_the_ddp_fit(ranks):
     """Guard: the routed runs compared above really differ from the unrouted ones."""
     for run in w.ROUTABLE:
@@ -126,6 +131,7 @@ def test_block_grad_changes_the_ddp_fit(ranks):
         assert not torch.allclose(plain, routed, atol=1e-3), run
 
 
+@pytest.mark.slow
 def test_adaptive_control_variate_acts_under_ddp(ranks):
     """Guard: with b != 0 after warm-up, the adaptive fit differs from its base estimator's."""
     normal = ranks[0]["normal"]

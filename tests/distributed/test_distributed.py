@@ -41,6 +41,7 @@ def two_ranks(two_rank_run):
     return two_rank_run["results"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("elbo_name", workers.DELTA_RUNS)
 def test_deterministic_guide_two_ranks_equal_one_process_on_union(two_ranks, elbo_name):
     torch.set_default_dtype(torch.float64)
@@ -60,6 +61,7 @@ def test_deterministic_guide_two_ranks_equal_one_process_on_union(two_ranks, elb
         torch.testing.assert_close(rank1["final"][name], value, atol=1e-6, rtol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "elbo_name", ["gradroute.Trace_ELBO", "gradroute.TraceSTL_ELBO", "gradroute.TraceDReG_ELBO"]
 )
@@ -70,6 +72,7 @@ def test_block_grad_route_changes_the_distributed_fit(two_ranks, elbo_name):
     assert not torch.allclose(plain, routed, atol=1e-3)
 
 
+@pytest.mark.slow
 def test_union_reference_is_not_the_sum_of_gradients(two_ranks):
     """Guard of the test above: summing instead of averaging rank gradients would differ."""
     torch.set_default_dtype(torch.float64)
@@ -79,6 +82,7 @@ def test_union_reference_is_not_the_sum_of_gradients(two_ranks):
     assert not torch.allclose(ref["final"]["AutoDelta.mu"], shard["final"]["AutoDelta.mu"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("elbo_name", workers.STOCHASTIC_RUNS)
 def test_stochastic_estimator_averaged_gradient_is_mean_of_rank_gradients(two_ranks, elbo_name):
     results = [r["stochastic"][elbo_name] for r in two_ranks]
@@ -91,6 +95,7 @@ def test_stochastic_estimator_averaged_gradient_is_mean_of_rank_gradients(two_ra
             torch.testing.assert_close(r["step"][name], mean, atol=1e-10, rtol=0)
 
 
+@pytest.mark.slow
 def test_grad_none_counts_as_zero_and_collectives_are_bucketed(two_ranks):
     for rank_result in two_ranks:
         runs = rank_result["none"]
@@ -113,6 +118,7 @@ def test_grad_none_counts_as_zero_and_collectives_are_bucketed(two_ranks):
         assert unchecked["all_reduce_calls"] == 2
 
 
+@pytest.mark.slow
 def test_params_on_some_ranks_only_is_a_clear_error_on_every_rank(two_ranks):
     for rank_result in two_ranks:
         msg = rank_result["mismatch"]
@@ -121,6 +127,7 @@ def test_params_on_some_ranks_only_is_a_clear_error_on_every_rank(two_ranks):
         assert "rank 1 lacks" not in msg
 
 
+@pytest.mark.slow
 def test_a_rank_that_raises_fails_the_run_without_hanging(two_rank_run):
     failure, elapsed = two_rank_run["failure"], two_rank_run["elapsed"]
     assert failure is not None, "the run should have failed"
@@ -158,6 +165,7 @@ def test_sharded_plate_deals_equal_batches_covering_the_data():
         assert trace().nodes["x"]["scale"] == 11 / 2
 
 
+@pytest.mark.slow
 def test_subsampling_example_runs_on_two_ranks_with_identical_fits(two_ranks):
     rank0, rank1 = (r["subsampling_example"] for r in two_ranks)
     assert set(rank0) == {"exact", "plate(N, subsample=idx)", "plate(b)"}

@@ -6,11 +6,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from .launch import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_distributed_vae_example_under_torchrun():
     cmd = [
         sys.executable,
@@ -38,6 +41,7 @@ def test_distributed_vae_example_under_torchrun():
     assert "one process: nothing to compare" not in out
 
 
+@pytest.mark.slow
 def test_lightning_example_smoke_on_two_cpu_ranks():
     """``python examples/lightning_svi.py --smoke``: Trainer(accelerator="cpu", devices=2,
     strategy="ddp"). ``pytorch-lightning`` is in the ``test`` extra (CI installs it), so this

@@ -13,6 +13,7 @@ from pyro_gradroute.infer import TraceSTL_ELBO
 from tests.conjugate import ALL, fit, poisson_gamma, relative_errors
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("estimator", ["Trace_ELBO", "TraceSTL_ELBO"])
 @pytest.mark.parametrize("make", ALL, ids=lambda m: m.__name__)
 def test_conjugate_factor_matches_closed_form_posterior(make, estimator):
@@ -81,6 +82,7 @@ def test_family_dict_callable_and_default_factors():
     assert isinstance(post["p"], dist.TransformedDistribution)  # Normal pushed to (0, 1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("estimator", [Trace_ELBO, TraceSTL_ELBO])
 def test_all_moment_matched_families_train_and_keep_constraints_at_large_lr(estimator):
     family = {
@@ -116,6 +118,7 @@ def test_moment_init_starts_at_init_loc_with_autonormal_spread(family):
     assert q.stddev.item() == pytest.approx(0.05 * q.mean.item(), rel=1e-2)
 
 
+@pytest.mark.slow
 def test_subsampled_plate_indexes_local_factors_and_converges():
     y = torch.tensor([0.0, 1.0, 3.0, 2.0, 5.0, 1.0, 0.0, 4.0, 2.0, 6.0])
 
@@ -139,6 +142,7 @@ def test_subsampled_plate_indexes_local_factors_and_converges():
     assert rel_mean < 0.03 and rel_sd < 0.03, (rel_mean, rel_sd)
 
 
+@pytest.mark.slow
 def test_median_quantiles_predictive_and_posterior():
     case = poisson_gamma()
     guide, q = fit(case, "TraceSTL_ELBO")
@@ -151,6 +155,7 @@ def test_median_quantiles_predictive_and_posterior():
     assert samples["rate"].mean().item() == pytest.approx(q.mean.item(), rel=0.03)
 
 
+@pytest.mark.slow
 def test_param_store_save_load_round_trips_a_fitted_guide(tmp_path):
     case = poisson_gamma()
     guide, q = fit(case, "TraceSTL_ELBO")

@@ -233,6 +233,7 @@ def _case(kind):
     return local_model, Encoder(), (X,)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["AutoNormal", "AutoMultivariateNormal", "conditional", "encoder"])
 def test_mean_gradient_equals_trace_elbo(kind):
     model, guide, args = _case(kind)
@@ -253,6 +254,7 @@ def test_mean_gradient_equals_trace_elbo(kind):
 # ------------------------------------------------------------------ frozen weights: unbiased, paired
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("frozen", ["-0.7", "0.4", "2.5", "per-element"])
 def test_frozen_weights_mean_gradient_equals_pyro_trace_elbo_paired(frozen):
     """g(b) - g(1) = (b - 1) g_cv on the same draw: mean zero for any b fixed before the draw.
@@ -1246,6 +1248,7 @@ def test_a_parameter_whose_shape_changes_restarts_at_trace_elbo(guide_kind, step
         assert_same(ours, grads_on_seed(PyroTrace_ELBO(), gm.model, guide, seed))
 
 
+@pytest.mark.slow
 def test_uncentred_switch_never_mixes():
     """mix_gain=inf with center=False is a switch too: every step of 60, with the default
     gate, is Pyro's Trace_ELBO's or STL's gradient on the same seed (issue 27)."""

@@ -125,6 +125,7 @@ def test_model_gradients_equal_renyi_on_same_samples(kind):
     assert not torch.allclose(ours[is_guide], ref[is_guide])  # the guide's estimator differs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
 def test_dreg_guide_gradient_is_unbiased_for_iwae(kind):
     model, guide = _setup(kind)
@@ -151,6 +152,7 @@ def test_one_particle_is_stl(kind):
     torch.testing.assert_close(dreg, stl, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_rws_dreg_against_pyro_rws():
     m = LearnablePriorModel()
     m.model(), m.guide()
@@ -201,6 +203,7 @@ def test_bad_constructor_arguments():
         ReweightedWakeSleepDReG(num_particles=1)
 
 
+@pytest.mark.slow
 def test_svi_with_subsampling_and_autoguide():
     g = torch.Generator().manual_seed(0)
     data = torch.randn(50, generator=g) + 2.0

@@ -64,6 +64,7 @@ def z_scores(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a.mean(0) - b.mean(0)) / se
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("alpha", [0.0, 0.5])
 def test_dreg_loop_gradient_matches_renyi_elbo_in_expectation(alpha):
     loop = TraceDReG_ELBO(num_particles=K, vectorize_particles=False, alpha=alpha)
@@ -77,6 +78,7 @@ def test_dreg_loop_gradient_matches_renyi_elbo_in_expectation(alpha):
     assert dreg[:, guide_part].var(0).sum() < renyi[:, guide_part].var(0).sum()
 
 
+@pytest.mark.slow
 def test_the_comparison_has_the_power_to_fail():
     """The ELBO's gradient (K = 1) is not the K-particle bound's: many SEs apart."""
     renyi = gradient_draws(RenyiELBO(alpha=0.0, num_particles=K), seed=1)

@@ -145,6 +145,7 @@ def _iwae_reference(model, guide, K, batch):
     return -(N / b) * (torch.logsumexp(log_w, 0) - math.log(K)).sum()
 
 
+@pytest.mark.slow
 def test_dreg_minibatch_all_site_plate_is_unbiased_for_the_full_data_bound():
     torch.set_default_dtype(torch.float64)
     model, guide, _ = _local()
@@ -169,6 +170,7 @@ def test_dreg_minibatch_all_site_plate_is_unbiased_for_the_full_data_bound():
     assert ((dreg.mean(0) - ref.mean(0)).abs() < 5 * se).all(), (dreg.mean(0), ref.mean(0), se)
 
 
+@pytest.mark.slow
 def test_dreg_with_tensor_poutine_scale_is_unbiased_against_renyi():
     torch.set_default_dtype(torch.float64)
     data = torch.tensor([0.5, -1.0, 2.0])
@@ -284,6 +286,7 @@ def test_rejector_keeps_its_own_score_parts():
         TraceDReG_ELBO(num_particles=2).loss_and_grads(model, guide)
 
 
+@pytest.mark.slow
 def test_rejector_stl_is_unbiased():
     torch.set_default_dtype(torch.float64)
     model, guide = _rejector_setup()

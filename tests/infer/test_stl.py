@@ -354,6 +354,7 @@ def test_model_and_guide_run_once_per_particle(monkeypatch):
     assert calls["log_prob"] == 3 * 2
 
 
+@pytest.mark.slow
 def test_svi_and_elbo_module():
     gm = GaussianModel(D=2)
     guide = ag.AutoNormal(gm.model)

@@ -304,6 +304,7 @@ def test_zero_at_the_exact_posterior():
 
 
 # ----------------------------------------------------------------------------- unbiased
+@pytest.mark.slow
 def test_mean_gradient_equals_trace_elbo():
     guide = _structured_chain("mvn")
     elbo = TraceSTL_ELBO()

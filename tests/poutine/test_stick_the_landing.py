@@ -112,6 +112,7 @@ def test_enum_stl_variance_vanishes_at_exact_posterior():
     assert (stl.var(0) <= 1e-8 * ref.var(0)).all(), (stl.var(0), ref.var(0))
 
 
+@pytest.mark.slow
 def test_enum_mixture_loss_identical_and_mean_gradient_equal():
     torch.set_default_dtype(torch.float64)
     model, guide = mixture()
@@ -128,6 +129,7 @@ def test_enum_mixture_loss_identical_and_mean_gradient_equal():
     assert (d.mean(0).abs() < 5 * d.std(0) / math.sqrt(draws)).all()
 
 
+@pytest.mark.slow
 def test_tracegraph_stl_with_a_discrete_site_upstream_is_unbiased():
     torch.set_default_dtype(torch.float64)
 
@@ -290,6 +292,7 @@ def _local():
     return model, guide
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("alpha", [-0.5, 0.2, 0.5, 0.9])
 def test_renyi_dreg_loss_and_mean_gradient(alpha):
     torch.set_default_dtype(torch.float64)

@@ -16,10 +16,16 @@ from pyro.distributions.transforms.householder import ConditionedHouseholder
 from pyro.distributions.transforms.planar import ConditionedPlanar
 from pyro.distributions.transforms.radial import ConditionedRadial
 from pyro.distributions.transforms.spline import ConditionedSpline
-from pyro.nn import ConditionalDenseNN, DenseNN
+from pyro.nn import DenseNN
 from torch.distributions import transforms as TT
 
-from ..._compat import cached_log_scale, conditioned_params, module_attr
+from ..._compat import (
+    cached_log_scale,
+    conditioned_params,
+    default_dense_forward,
+    module_attr,
+    transform_call,
+)
 
 _RULES: dict[type, Callable] = {}
 
@@ -143,7 +149,7 @@ def _permute(layer, g):
 
 @register_flow_rule(TT.ReshapeTransform, rule="reshape g", cost="O(D)")
 def _reshape(layer, g):
-    return layer.transform._call(g)
+    return transform_call(layer.transform, g)
 
 
 @register_flow_rule(PT.LowerCholeskyAffine, rule="triangular solve L^T g_y = g", cost="O(D^2)")
@@ -155,7 +161,7 @@ def _lca(layer, g):
 @register_flow_rule(ConditionedHouseholder, rule="orthogonal: g_y = H g", cost="O(KD)")
 def _householder(layer, g):
     with torch.no_grad():
-        return ConditionedHouseholder._call(layer.transform, g)
+        return transform_call(layer.transform, g, ConditionedHouseholder)
 
 
 @register_flow_rule(ConditionedPlanar, rule="Sherman-Morrison, closed form", cost="O(D)")
@@ -279,7 +285,7 @@ def _dense_net(t, k: int, n: int):
     if (
         not isinstance(net, DenseNN)
         or type(net).forward is not DenseNN.forward
-        or type(net)._forward is not ConditionalDenseNN._forward
+        or not default_dense_forward(net)
         or t.dim != -1
         or list(net.param_dims) != [n, n]
     ):
