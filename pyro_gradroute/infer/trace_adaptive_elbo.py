@@ -31,7 +31,7 @@ from .control_variate import ControlVariate
 from .elbo import EXTRA, RoutedELBO, Terms, collect_blocks
 from .schedule import Schedule, ScheduleConfig
 from .trace_elbo import Trace_ELBO, TraceSTL_ELBO
-from .traces import PATHWISE, scaled
+from .traces import PATHWISE, refuse_model_enumeration, scaled
 
 __all__ = ["TraceAdaptiveSTL_ELBO", "TraceEnumAdaptiveSTL_ELBO"]
 
@@ -559,20 +559,7 @@ class TraceAdaptiveSTL_ELBO(_Adaptive, TraceSTL_ELBO):
         return loss
 
     def _refuse_enumeration(self, model_trace, guide_trace) -> None:
-        for name, site in model_trace.nodes.items():
-            if (
-                site["type"] == "sample"
-                and site["infer"].get("enumerate")
-                and not site["is_observed"]
-                and name not in guide_trace.nodes
-            ):
-                raise ValueError(
-                    f"model site {name!r} is marked for enumeration, which {type(self).__name__} "
-                    "does not do (it would be sampled from its prior, a different objective): use "
-                    "pyro_gradroute.infer.TraceEnumAdaptiveSTL_ELBO, or pyro.infer.TraceEnum_ELBO "
-                    "with the guide under pyro_gradroute.poutine.stick_the_landing, or remove the "
-                    "enumeration mark"
-                )
+        refuse_model_enumeration(self, model_trace, guide_trace)
 
     def _particle_terms(self, model_trace, guide_trace, blocks=None) -> tuple[float, Terms]:
         self._refuse_enumeration(model_trace, guide_trace)
