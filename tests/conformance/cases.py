@@ -826,7 +826,7 @@ def _optional(site, ests=DREG, exc=(ValueError, NotImplementedError)):
 
 _MESSENGER = {e: Raises(NotImplementedError, "GuideMessenger") for e in VECTORIZED_DREG}
 # a model site's cost reaching a guide parameter through a score-function term: every path is
-# blocked, or the route is an error naming the site (issue 10, class 10)
+# blocked, or the route is an error naming the site
 _REINFORCE_ROUTE = {
     e: Raises((ValueError, NotImplementedError), site_name("x"), optional=True)
     for e in ("Trace", "STL")

@@ -241,7 +241,7 @@ def _delta_mixture(data):
 @pytest.mark.parametrize("guide_kind", ["AutoDelta", "AutoNormal"])
 def test_every_method_equals_trace_enum_elbo_on_the_same_seed(guide_kind):
     """``loss``, ``loss_and_grads`` (so ``svi.step``) and ``differentiable_loss`` sum the
-    enumerated site out: each equals ``TraceEnum_ELBO``'s value on the same seed (issue 27)."""
+    enumerated site out: each equals ``TraceEnum_ELBO``'s value on the same seed."""
     from pyro.infer import SVI
     from pyro.infer.autoguide import AutoDelta
 

@@ -1,4 +1,4 @@
-"""Flow guides in the conformance matrix (issue 13): forward-carried pathwise parts.
+"""Flow guides in the conformance matrix: forward-carried pathwise parts.
 
 Inverse-free flows (Planar, Radial), affine coupling, conditional flows (a conditioned
 transform reading an upstream guide sample: a planar one without an inverse and an

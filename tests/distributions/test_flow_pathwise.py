@@ -1,4 +1,4 @@
-"""Forward-carried pathwise gradients of flows (issue 13): exact, inverse-free, wired into the split."""
+"""Forward-carried pathwise gradients of flows: exact, inverse-free, wired into the split."""
 
 import copy
 import functools

@@ -1153,7 +1153,7 @@ def test_one_pass_step_with_a_loop_over_particles(b):
         torch.testing.assert_close(ours[k], (1 - b) * stl[k] + b * trace[k])
 
 
-# ------------------------------------------------------------------ issue 27: state, shapes, the uncentred switch, arguments
+# ------------------------------------------------------------------ state, shapes, the uncentred switch, arguments
 def _sgd_steps(elbo, model, guide, seeds, *args):
     """Steps of plain SGD (lr 0.01) on the given seeds; their gradients."""
     out = []
@@ -1198,7 +1198,7 @@ _USED = {
 @pytest.mark.parametrize("kind", sorted(_USED))
 def test_a_used_estimator_survives_every_round_trip(kind, how):
     """After 20 steps, a copy (pickle, deepcopy, torch.save, state_dict) takes the same next 12
-    steps as the original, from identical parameters and seeds (issue 27: the moments were views
+    steps as the original, from identical parameters and seeds (the moments were views
     of one buffer, which pickle stored separately)."""
     conditional_guide(X)
     elbo = _USED[kind]()
@@ -1231,7 +1231,7 @@ def _auto_normal_at_posterior(D):
 @pytest.mark.parametrize("guide_kind", ["hand-written", "AutoNormal"])
 def test_a_parameter_whose_shape_changes_restarts_at_trace_elbo(guide_kind, steps):
     """After 30 steps at STL, a new problem reusing the names with other shapes: the next steps
-    are Pyro's Trace_ELBO on the same seed, not STL (issue 27)."""
+    are Pyro's Trace_ELBO on the same seed, not STL."""
     problem = (
         _exact_posterior_problem if guide_kind == "hand-written" else _auto_normal_at_posterior
     )
@@ -1251,7 +1251,7 @@ def test_a_parameter_whose_shape_changes_restarts_at_trace_elbo(guide_kind, step
 @pytest.mark.slow
 def test_uncentred_switch_never_mixes():
     """mix_gain=inf with center=False is a switch too: every step of 60, with the default
-    gate, is Pyro's Trace_ELBO's or STL's gradient on the same seed (issue 27)."""
+    gate, is Pyro's Trace_ELBO's or STL's gradient on the same seed."""
     gm, guide = _settling_problem()
     elbo = TraceAdaptiveSTL_ELBO(mix_gain=math.inf, center=False)
     for seed in range(60):

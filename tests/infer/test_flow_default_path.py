@@ -1,4 +1,4 @@
-"""Unconditional flow guides take the default STL path: no split node, no relays (issue 17).
+"""Unconditional flow guides take the default STL path: no split node.
 
 For every flow family (the flows of ``tests/distributions/test_flow_pathwise.py`` and the
 inverse-free ones), in float64 on the same draws:

@@ -386,7 +386,7 @@ def _planar_flow_setup():
 
 
 def test_flow_without_inverse_sticks_the_landing_without_a_warning():
-    """Planar has no inverse; its pathwise part is carried forward (issue 13): no fallback."""
+    """Planar has no inverse; its pathwise part is carried forward: no fallback."""
     import warnings
 
     gm, guide = _planar_flow_setup()
