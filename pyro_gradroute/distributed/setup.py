@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import importlib
 import os
 import socket
 from typing import Any
@@ -47,5 +48,10 @@ def init_distributed(timeout_s: float = 120.0, backend: str | None = None) -> to
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         kwargs.update(init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    # torch.optim's first step imports torch._dynamo; imported while a group exists, it keeps
+    # a reference to that group past destroy_process_group, and the group's gloo threads are
+    # then torn down at interpreter exit, which can abort the process ("terminate called
+    # without an active exception"). Imported before the group exists, it holds none.
+    importlib.import_module("torch._dynamo")
     dist.init_process_group(backend, **kwargs)
     return device

@@ -10,6 +10,7 @@ process group (``init_process_group(timeout=...)``) and the join, so a hang fail
 from __future__ import annotations
 
 import datetime
+import importlib
 import multiprocessing as mp
 import os
 import socket
@@ -38,6 +39,7 @@ def _entry(fn, rank, world_size, port, out_dir, pg_timeout_s, args):
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback only
     torch.set_num_threads(1)
     out = Path(out_dir)
+    importlib.import_module("torch._dynamo")  # before the group: see init_distributed
     try:
         torch.distributed.init_process_group(
             "gloo",

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pyro
 import pytest
@@ -193,3 +197,30 @@ def test_init_distributed_alone_and_scheduler_passthrough(monkeypatch):
         assert list(optim.get_state()) == ["w"]
     finally:
         torch.distributed.destroy_process_group()
+
+
+_GROUP_RELEASED = """
+import gc, os, torch, torch.distributed as dist
+from pyro_gradroute.distributed import init_distributed
+init_distributed(timeout_s=30, backend="gloo")
+x = torch.ones(2, requires_grad=True)
+opt = torch.optim.Adam([x])
+x.sum().backward()
+opt.step()  # torch.optim's first step imports torch._dynamo
+dist.destroy_process_group()
+gc.collect()
+names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+print(sorted(n for n in names if n.startswith(("pt_gloo", "gloo"))))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads thread names from /proc")
+def test_destroy_process_group_releases_the_group_after_an_optimizer_step():
+    """After ``init_distributed``, an optimizer step and ``destroy_process_group``, no gloo
+    thread is left for interpreter exit to tear down (which can abort a finished run)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    proc = subprocess.run(
+        [sys.executable, "-c", _GROUP_RELEASED], capture_output=True, text=True, env=env
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "[]", proc.stdout

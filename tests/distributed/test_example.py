@@ -29,7 +29,7 @@ def test_distributed_vae_example_under_torchrun():
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
     errors = [line for line in proc.stderr.splitlines() if "Warning" not in line]
-    assert proc.returncode == 0, "\n".join(errors)[:6000]
+    assert proc.returncode == 0, proc.stdout[-2000:] + "\n".join(errors)[:6000]
     out = proc.stdout
     assert "1 process  (1 thread):" in out and "2 processes (1 thread each):" in out
     assert "communication share" in out
