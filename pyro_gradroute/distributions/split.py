@@ -1,74 +1,19 @@
-r"""One-pass score/pathwise split of a log-density.
+r"""One-evaluation score/pathwise split of a log-density.
 
-For a reparameterized sample ``z = g(eps; phi)`` of ``q(.; phi)`` the total
-derivative of ``log q(z; phi)`` splits into two parts::
+For a reparameterized sample ``z = g(eps; phi)`` of ``q(.; phi)``::
 
     d/dphi log q(g(eps; phi); phi) =  d/dphi log q(z; phi)|_z          (score part)
                                     + grad_z log q(z; phi) . dz/dphi    (pathwise part)
 
-The score part has expectation zero under ``q``; dropping it gives the
-*sticking-the-landing* estimator (Roeder et al. 2017), weighting the pathwise
-part gives DReG (Tucker et al. 2019).
-
-:func:`split_log_prob` evaluates the log-density exactly **once**, at a detached
-copy ``v`` of the sample, and builds all three tensors from that one graph:
-
-* ``score = log fn(stop(value))``: the evaluated graph itself (gradients reach
-  ``fn``'s parameters, and the upstream tensors they were computed from);
-* ``pathwise = log fn(value; stop(phi))``: a node whose backward is the
-  vector-Jacobian product ``grad_out * d log fn(v) / dv`` taken lazily through the
-  same graph and sent to ``value`` (and, for a conditional ``q(z_2 | z_1)``, the
-  product ``grad_out * d log fn / d z_1`` sent to the upstream sample ``z_1``);
-* ``log_prob``: the ordinary log-density: the product with ``v`` goes to ``value``,
-  and the upstream gradient goes into the evaluated graph itself.
-
-**Exactness.** First derivatives equal those of the naive two-evaluation
-computation. Each backward makes at most two batched vector-Jacobian products: all
-seeds with respect to the detached values (independent leaves, so nothing can be
-counted twice), and the pathwise seeds with respect to the upstream samples. For the
-second product the upstream samples must be *cut points*: when one upstream sample
-depends on another (``z_0 -> z_1 -> z_2``), a product with respect to both would
-count the path through ``z_1`` twice. The estimators and the handler stop the gradient
-below each upstream sample while that product is taken (a backward pre-hook on each one's
-autograd node, registered for that product only: ``split_score_parts(..., cut=True)``),
-which makes the product exact at any depth. Where no
-item has a seed for its full part (STL) the two products are one.
-:func:`split_log_probs` called directly with plain upstream tensors raises if they
-depend on each other.
-
-**Higher derivatives.** ``score`` is an ordinary graph (exact at any order).
-``log_prob`` and ``pathwise`` are first-order only: differentiating them with
-``create_graph=True`` raises :class:`NotImplementedError` (their backward evaluates
-``d log fn / d v`` at a detached ``v``, whose second derivative with respect to the
-sample does not exist in the graph). Use ``fn.log_prob(value)`` directly for
-second derivatives.
-
-Families that need care (all handled, one evaluation each):
-
-* :class:`~torch.distributions.TransformedDistribution` whose transforms hold no
-  parameters (``biject_to`` pushforwards, ``SigmoidTransform`` ...), drawn through
-  :func:`preimage_rsample`: the split is taken at the cached *pre-image* ``x``
-  (``log q(T(x)) = log q_base(x) - log|det J_T(x)|``, with the transforms run
-  forward), so no inverse runs and a saturating transform (a sigmoid deep in its
-  float32 tail) keeps both its loss value and its pathwise gradient.
-* ``TransformedDistribution`` with parametrized transforms (normalizing flows, and
-  conditioned transforms whose parameters come from upstream samples), drawn through
-  :func:`preimage_rsample` or with the path in the transforms' caches: the value is
-  computed forward along the recorded path (exactly the ordinary value, no inverse),
-  ``full`` is that graph itself, and the pathwise product ``h * g`` with the gradient
-  ``g = d log q / d x_k`` *carried forward* by one rule per transform
-  (:mod:`~pyro_gradroute.distributions.flows`) is sent to the output ``x_k`` of the
-  last parametrized transform, no VJP through an inverse; the upstream partials are
-  one product through ``lp - <g, x_k>``. Flows with a transform that has no rule are
-  evaluated at the detached sample, which runs the inverse; without an inverse
-  :class:`SplitNotSupported` (a ``NotImplementedError``) says so.
-* Straight-through relaxed families (``RelaxedOneHotCategoricalStraightThrough``,
-  ``RelaxedBernoulliStraightThrough``): the density is evaluated at the relaxed
-  sample the quantized value carries (``value._unquantize``), and the pathwise
-  product goes to that relaxed sample.
-* Distributions with their own ``score_parts`` (``Rejector``, ``RejectionGamma``,
-  ``MaskedDistribution`` with a tensor mask): the split is taken of what their
-  ``score_parts`` returns, so Pyro's meaning of each part is kept.
+:func:`split_log_prob` evaluates the log-density once, at a detached copy ``v`` of the
+sample: that graph is the score part; the ordinary and pathwise parts are outputs of one
+node (:class:`_Pathwise`) whose backward takes ``d log q / d v`` through the same graph and
+sends it to the sample (and, for a conditional ``q(z_2 | z_1)``, the partials to the
+upstream samples, with the gradient stopped below each one while that product is taken).
+Flows are evaluated forward along the sample's path (:mod:`.flows`), parameter-free
+pushforwards at their cached pre-image, straight-through samples at their relaxed value,
+families with their own ``score_parts`` through that hook. The log-density and pathwise
+parts are first-order only. ``docs/split.md`` tells the exactness and the families.
 """
 
 from __future__ import annotations
@@ -78,14 +23,14 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
+from pyro.distributions import Independent as PyroIndependent
 from pyro.distributions.score_parts import ScoreParts
-from pyro.distributions.torch_distribution import (
-    TorchDistributionMixin,
-)
+from pyro.distributions.torch_distribution import TorchDistributionMixin
 from pyro.ops.provenance import detach_provenance, get_provenance, track_provenance
 from torch.distributions import Distribution, Independent, TransformedDistribution
+from torch.distributions.transforms import ComposeTransform, IndependentTransform
 
-from .._compat import set_unquantized, sum_rightmost, transform_cache, unquantized
+from .._compat import set_unquantized, transform_cache, unquantized
 from ..routing import reached
 from . import flows
 
@@ -132,15 +77,10 @@ class _Item(NamedTuple):
 class _Pathwise(torch.autograd.Function):
     """For ``m`` evaluated tensors at once: outputs ``full_i, pathwise_i`` equal to ``lp_i``.
 
-    Inputs are the targets, the evaluated tensors ``lp_i`` (so that the outer backward
-    keeps and orders their graphs) and the upstream tensors. Backward:
-
-    * ``full_i``'s seed ``g`` goes to ``target_i`` as ``g * d lp_i / d v_i`` and into
-      ``lp_i``'s own graph (parameters and upstream samples, as the ordinary
-      gradient does);
-    * ``pathwise_i``'s seed ``h`` goes to ``target_i`` as ``h * d lp_i / d v_i`` and to
-      the upstream tensors as ``h * d lp_i / d u`` (partials: cut below each), never
-      into ``lp_i``'s graph.
+    Backward: ``full_i``'s seed ``g`` goes to ``target_i`` as ``g * d lp_i / d v_i`` and into
+    ``lp_i``'s own graph; ``pathwise_i``'s seed ``h`` goes to ``target_i`` as ``h * d lp_i /
+    d v_i`` and to the upstream tensors as ``h * d lp_i / d u`` (partials), never into
+    ``lp_i``'s graph.
     """
 
     @staticmethod
@@ -222,17 +162,9 @@ class _Pathwise(torch.autograd.Function):
 
 @contextlib.contextmanager
 def _cut_at(ups, cut: bool):
-    r"""While the upstream product is taken, stop the gradient below the upstream samples.
-
-    The product then gives each sample :math:`u` its partial derivative (the other samples
-    held fixed): a backward pre-hook on each sample's autograd node drops the gradient
-    arriving there (after the product has captured it), for this product only. (A sample
-    without a node is a leaf: it is computed from no other.)
-    """
-    if not ups or not cut:
-        yield
-        return
-    nodes = {u.grad_fn for u in ups if u.grad_fn is not None}
+    """While the upstream product is taken, drop the gradient arriving at each upstream
+    sample's autograd node (a backward pre-hook), so each gets its partial derivative."""
+    nodes = {u.grad_fn for u in ups if u.grad_fn is not None} if cut else ()
     handles = [n.register_prehook(_drop) for n in nodes]
     try:
         yield
@@ -252,14 +184,6 @@ def _times(h: torch.Tensor, g: torch.Tensor, target: torch.Tensor) -> torch.Tens
     if out.shape != target.shape:
         out = out.sum_to_size(target.shape)
     return out
-
-
-def _strip_provenance(item):
-    return item._replace(
-        target=detach_provenance(item.target),
-        v=detach_provenance(item.v),
-        lp=detach_provenance(item.lp),
-    )
 
 
 def _add(a, b):
@@ -288,75 +212,53 @@ def _check_independent(ups: list[torch.Tensor]) -> None:
 
 
 # ----------------------------------------------------------------------------- evaluation
-def _param_free(t) -> bool:
-    """Whether a transform holds no parameters, nor tensors computed from them.
-
-    Conditioned transforms (``ConditionalAffineAutoregressive.condition(z)``, ...) hold
-    their context inside a ``functools.partial`` and count as parametrized.
-    """
-    return not flows.holds_params(t, cache=False)
-
-
 def _default_score_parts(fn) -> bool:
     """Whether ``fn``'s parts are Pyro's default ones (a plain ``torch.distributions`` object has none)."""
     return getattr(type(fn), "score_parts", None) in (None, TorchDistributionMixin.score_parts)
 
 
+def _parts(fn: Distribution, lp: torch.Tensor) -> ScoreParts:
+    """Pyro's default score parts of ``fn`` with log-density ``lp``."""
+    return ScoreParts(lp, 0, lp) if fn.has_rsample else ScoreParts(lp, lp, 0)
+
+
 def _score_parts(fn: Distribution, value: torch.Tensor) -> ScoreParts:
     """``fn.score_parts(value)``, or Pyro's default parts for a plain ``torch.distributions`` object."""
     method = getattr(fn, "score_parts", None)
-    if method is not None:
-        return method(value)
-    lp = fn.log_prob(value)
-    return ScoreParts(lp, 0, lp) if fn.has_rsample else ScoreParts(lp, lp, 0)
+    return _parts(fn, fn.log_prob(value)) if method is None else method(value)
 
 
 def flatten_transformed(fn: Distribution) -> Distribution:
     """``TD(TD(base, [t1]), [t2])`` as the equal ``TD(base, [t1, t2])`` (any depth); else ``fn``.
 
-    A nested ``TransformedDistribution`` samples and scores exactly as the flat one (the
-    same operations, the same random numbers). Flat, the split sees the whole path from
-    the base sample, so an inner flow gets its forward rules and an inner cached
-    transform is not inverted through its cache. An inner one that the outer one
-    reinterprets (``Independent``) is flattened with ``IndependentTransform``; one that
+    Flat, the split sees the whole path from the base sample. An inner one that the outer
+    one reinterprets (``Independent``) is flattened with ``IndependentTransform``; one that
     is expanded, or with its own ``score_parts``, is kept as it is.
     """
     if not isinstance(fn, TransformedDistribution) or not _default_score_parts(fn):
         return fn
-    from torch.distributions.transforms import IndependentTransform
-
     base, n = fn.base_dist, 0
-    if isinstance(base, Independent) and type(base) in (Independent, _pyro_independent()):
+    if type(base) in (Independent, PyroIndependent):
         base, n = base.base_dist, base.reinterpreted_batch_ndims
     if not isinstance(base, TransformedDistribution) or not _default_score_parts(base):
         return fn
     inner = flatten_transformed(base)
     if not isinstance(inner, TransformedDistribution):
         return fn
-    ts = list(inner.transforms)
-    if n:
-        ts = [IndependentTransform(t, n) for t in ts]
+    ts = [IndependentTransform(t, n) for t in inner.transforms] if n else list(inner.transforms)
     flat = type(fn)(inner.base_dist, ts + list(fn.transforms), validate_args=False)
     if flat.batch_shape != fn.batch_shape or flat.event_shape != fn.event_shape:
         return fn
     return flat
 
 
-def _pyro_independent():
-    from pyro.distributions import Independent
-
-    return Independent
-
-
 def preimage_rsample(fn: Distribution, sample_shape=()):
     """``fn.rsample(sample_shape)`` and, for a ``TransformedDistribution``, its pre-image.
 
-    Returns ``(value, pre)``: for a parameter-free ``TransformedDistribution`` ``pre``
-    is the base sample; for a flow whose transforms have forward pathwise rules
-    (:mod:`~pyro_gradroute.distributions.flows`) it is the
-    :class:`~pyro_gradroute.distributions.flows.FlowPath` of the sample (base sample and
-    intermediate values); otherwise ``None``. The same operations as
-    ``TransformedDistribution.rsample``.
+    Returns ``(value, pre)``: ``pre`` is the base sample of a parameter-free
+    ``TransformedDistribution`` with cached transforms, the
+    :class:`~pyro_gradroute.distributions.flows.FlowPath` of a flow whose transforms have
+    forward rules, else ``None``. The same operations as ``TransformedDistribution.rsample``.
     """
     sample_shape = torch.Size(sample_shape)
     fn = flatten_transformed(fn)
@@ -365,7 +267,7 @@ def preimage_rsample(fn: Distribution, sample_shape=()):
         and _default_score_parts(fn)
         and _default_score_parts(fn.base_dist)
     ):
-        if all(_param_free(t) and _cached(t) for t in fn.transforms):
+        if all(not flows.holds_params(t) and _cached(t) for t in fn.transforms):
             x = fn.base_dist.rsample(sample_shape)
             y = x
             for t in fn.transforms:
@@ -378,13 +280,8 @@ def preimage_rsample(fn: Distribution, sample_shape=()):
 
 
 def _cached(t) -> bool:
-    """Whether ``t`` (every part of it) caches its last pre-image, as Pyro's log_prob then uses it.
-
-    For an uncached transform the ordinary ``log_prob`` runs the inverse; the split then
-    does the same, so that loss values stay identical to ``Trace_ELBO``'s.
-    """
-    from torch.distributions.transforms import ComposeTransform, IndependentTransform
-
+    """Whether ``t`` (every part of it) caches its last pre-image (else ``log_prob`` runs the
+    inverse, and the split does too, so that loss values stay those of ``Trace_ELBO``)."""
     if isinstance(t, ComposeTransform):
         return all(_cached(p) for p in t.parts)
     if isinstance(t, IndependentTransform):
@@ -393,31 +290,21 @@ def _cached(t) -> bool:
 
 
 def _transformed_log_prob(fn: TransformedDistribution, x: torch.Tensor) -> torch.Tensor:
-    """``fn.log_prob(T(x))`` computed forward from the pre-image ``x`` (no inverse).
-
-    The event dimensions follow torch's ``TransformedDistribution.log_prob``: walking the
-    transforms from the output, each changes them by ``domain.event_dim -
-    codomain.event_dim`` (``CorrCholeskyTransform`` maps a vector to a matrix,
-    ``ReshapeTransform`` changes the event's rank), and each Jacobian term is summed over
-    the event dimensions left of its own domain's.
-    """
-    event_dim = len(fn.event_shape)
-    sums = []
-    for t in reversed(fn.transforms):
-        event_dim += t.domain.event_dim - t.codomain.event_dim
-        sums.append(event_dim - t.domain.event_dim)
-    log_prob = 0.0
-    y = x
-    for t, n in zip(fn.transforms, reversed(sums)):
+    """``fn.log_prob(T(x))`` computed forward from the pre-image ``x`` (no inverse), with
+    torch's event-dim bookkeeping (:func:`~pyro_gradroute.distributions.flows.path.log_prob_along`)."""
+    steps, y = [], x
+    for t in fn.transforms:
         t = t.with_cache(0)
-        y_next = t(y)
-        log_prob = log_prob - sum_rightmost(t.log_abs_det_jacobian(y, y_next), n)
-        y = y_next
-    base_lp = fn.base_dist.log_prob(x)
-    return log_prob + sum_rightmost(base_lp, event_dim - len(fn.base_dist.event_shape))
+        steps.append((t, y, t(y)))
+        y = steps[-1][2]
+    return flows.log_prob_along(fn, steps, x)[0]
 
 
-def _evaluate(fn: Distribution, value: torch.Tensor, preimage, grad_mode: bool, raw=None):
+def _leaf(t: torch.Tensor, grad_mode: bool) -> torch.Tensor:
+    return t.detach().requires_grad_(t.requires_grad and grad_mode)
+
+
+def _evaluate(fn: Distribution, value: torch.Tensor, preimage, grad_mode: bool):
     """``(target, v, ScoreParts at v, flow)``: one evaluation of ``fn``'s score parts at a detached copy.
 
     ``flow`` is ``None``, or for a flow evaluated forward along its path ``(g, score)``:
@@ -428,39 +315,28 @@ def _evaluate(fn: Distribution, value: torch.Tensor, preimage, grad_mode: bool, 
         preimage = flows.cached_path(fn, value)
     if isinstance(preimage, flows.FlowPath):
         lp, g, score = flows.evaluate(preimage, grad_mode)
-        parts = ScoreParts(lp, 0, lp) if fn.has_rsample else ScoreParts(lp, lp, 0)
-        return preimage.target, None, parts, (g, score)
-    unq = unquantized(value)
+        return preimage.target, None, _parts(fn, lp), (g, score)
     if preimage is not None:
-        target = preimage
-        v = preimage.detach().requires_grad_(preimage.requires_grad and grad_mode)
-        lp = _transformed_log_prob(fn, v)
-        parts = ScoreParts(lp, 0, lp) if fn.has_rsample else ScoreParts(lp, lp, 0)
-        return target, v, parts, None
-    if unq is not None:
-        target = unq
+        v = _leaf(preimage, grad_mode)
+        return preimage, v, _parts(fn, _transformed_log_prob(fn, v)), None
+    unq = unquantized(value)
+    if unq is not None:  # straight-through: the density is at the relaxed sample
         v = value.detach()
-        set_unquantized(v, unq.detach().requires_grad_(unq.requires_grad and grad_mode))
-        return target, unquantized(v), _score_parts(fn, v), None
-    v = value.detach().requires_grad_(value.requires_grad and grad_mode)
-    if _default_score_parts(fn):
-        return value, v, _score_parts(fn, v), None
+        set_unquantized(v, _leaf(unq, grad_mode))
+        return unq, unquantized(v), _score_parts(fn, v), None
+    v = _leaf(value, grad_mode)
     try:
-        parts = fn.score_parts(v)
+        return value, v, _score_parts(fn, v), None
     except AssertionError:
-        # a family whose score_parts read its sampler's state for the exact tensor it
-        # returned (RSVI's ShapeAugmentedGamma): take them there
-        parts = _sampled_score_parts(fn, v, value if raw is None else raw)
-    return value, v, parts, None
+        if _default_score_parts(fn):
+            raise
+        # score_parts that read the sampler's state for the tensor it returned (RSVI)
+        return value, v, _sampled_score_parts(fn, v, value), None
 
 
 def _sampled_score_parts(fn: Distribution, v: torch.Tensor, raw: torch.Tensor) -> ScoreParts:
-    """``fn.score_parts`` of a family that accepts only the tensor its sampler returned.
-
-    They are taken at ``raw``; their ``log_prob`` (and ``entropy_term``), which must be
-    ``fn.log_prob`` there, are re-evaluated at the detached ``v``; the score-function
-    term (the sampler's own, e.g. a rejection correction) is kept as it is.
-    """
+    """``fn.score_parts`` of a family that accepts only the tensor its sampler returned: taken
+    at ``raw``, with their ``log_prob`` (which must be ``fn.log_prob`` there) at ``v``."""
     name = type(fn).__name__
     try:
         at_raw = fn.score_parts(raw)
@@ -492,7 +368,7 @@ def _flow_candidate(fn) -> bool:
         and fn.has_rsample
         and _default_score_parts(fn)
         and _default_score_parts(fn.base_dist)
-        and not all(_param_free(t) for t in fn.transforms)
+        and any(flows.holds_params(t) for t in fn.transforms)
         and flows.supported(fn)
     )
 
@@ -584,26 +460,21 @@ def split_score_parts(items, on_error=None, cut: bool = False, names=None):
     """The split of each item's ``score_parts``: a list of ``(full, pathwise, score)``.
 
     ``items``: ``(fn, value, upstream, preimage)``. ``full`` and ``pathwise`` are
-    :class:`~pyro.distributions.score_parts.ScoreParts` (``log_prob``,
-    ``score_function``, ``entropy_term``) whose tensors carry the full, respectively
-    the pathwise, gradient; ``score`` is the evaluated ``log_prob`` itself.
-    ``on_error(i, exc)`` may return ``None`` to re-raise, or a
-    ``(full, pathwise, score)`` triple to use for item ``i`` instead.
-    ``cut``: each item's upstream tensors are the samples its parameters read (found by
-    the caller, so not searched for again), which may be computed from each other (a
-    chain :math:`z_0 \to z_1 \to z_2`, a dense DAG): the upstream product stops the
-    gradient below each of them (a backward pre-hook on its autograd node, for that product
-    only). ``names``: the items' site names, which an error in evaluating one names.
+    :class:`~pyro.distributions.score_parts.ScoreParts` carrying the full, respectively the
+    pathwise, gradient; ``score`` is the evaluated ``log_prob``. ``on_error(i, exc)`` returns
+    ``None`` (re-raise) or a triple to use for item ``i``. ``cut``: the upstream tensors are
+    the samples each item reads (not searched for again), possibly computed from each other;
+    the upstream product stops the gradient below each. ``names``: the items' site names.
     """
     grad_mode = torch.is_grad_enabled()
     results: list = [None] * len(items)
+    pending: list = []  # (item index, parts, part name -> first name holding it, score)
     node_items: list[_Item] = []
-    owners: list[tuple[int, str]] = []  # (item index, part name) per node item
     targets: list[torch.Tensor] = []
     target_index: list[int] = []
     ups_list: list[torch.Tensor] = []
     ups_index: dict[int, int] = {}  # id(upstream tensor) -> its index in ups_list
-    for i, (fn, value, upstream, preimage, *sampled) in enumerate(items):
+    for i, (fn, value, upstream, preimage) in enumerate(items):
         if not isinstance(fn, Distribution):
             raise TypeError(
                 f"split_log_prob expects a torch.distributions.Distribution, got {type(fn).__name__}"
@@ -611,8 +482,7 @@ def split_score_parts(items, on_error=None, cut: bool = False, names=None):
         if not torch.is_tensor(value):
             raise TypeError(f"split_log_prob expects a tensor value, got {type(value).__name__}")
         try:
-            raw = sampled[0] if sampled else value
-            target, v, parts, flow = _evaluate(fn, value, preimage, grad_mode, raw)
+            target, v, parts, flow = _evaluate(fn, value, preimage, grad_mode)
         except (NotImplementedError, KeyError) as e:
             err = SplitNotSupported(
                 f"{type(fn).__name__}.log_prob cannot be evaluated at a fixed sample "
@@ -624,93 +494,83 @@ def split_score_parts(items, on_error=None, cut: bool = False, names=None):
                 "spline_autoregressive, ...) or an estimator that does not split this site "
                 "(Trace_ELBO)."
             )
-            alt = on_error(i, err) if on_error is not None else None
-            if alt is None:
+            results[i] = on_error(i, err) if on_error is not None else None
+            if results[i] is None:
                 raise err from e
-            results[i] = alt
             continue
         except ValueError as e:
             if names is None:
                 raise
             raise ValueError(f"Error while computing log_prob at site '{names[i]}':\n{e}") from e
-        lp = parts.log_prob
-        g_flow, score = (None, lp) if flow is None else flow
-        distinct: dict[str, str] = {}  # part name -> the first name holding the same tensor
-        for name in ("log_prob", "score_function", "entropy_term"):
+        g_flow, score = (None, parts.log_prob) if flow is None else flow
+        results[i] = (parts, _stop_all(parts), score)
+        distinct: dict[str, str] = {}
+        for name in _NAMES:
             t = getattr(parts, name)
             if torch.is_tensor(t) and t.requires_grad and grad_mode:
                 alias = [n for n in distinct if getattr(parts, n) is t]
                 distinct[name] = alias[0] if alias else name
-        if not distinct:
-            results[i] = (parts, _stop_all(parts), score)
-            continue
         ups_here: list[int] = []
-        if upstream:
+        if distinct and upstream:
             if cut:
                 hit = range(len(upstream))
             else:
-                hit = set(reached(lp, list(upstream)))
+                hit = set(reached(parts.log_prob, list(upstream)))
                 if g_flow is not None:  # the sample's own path to upstream tensors
                     hit.update(reached(target, list(upstream)))
             for j in sorted(hit):
-                u = upstream[j]
-                k = ups_index.get(id(u))
-                if k is None:
-                    k = ups_index[id(u)] = len(ups_list)
-                    ups_list.append(u)
+                k = ups_index.setdefault(id(upstream[j]), len(ups_list))
+                if k == len(ups_list):
+                    ups_list.append(upstream[j])
                 ups_here.append(k)
         value_path = target.requires_grad if g_flow is not None else v.requires_grad
-        if not value_path and not ups_here:  # no value path: the evaluation is the split
-            results[i] = (parts, _stop_all(parts), score)
+        if not distinct or not (value_path or ups_here):  # the evaluation is the split
             continue
         targets.append(target)
-        tk = len(targets) - 1
         for name, first in distinct.items():
-            if first != name:
-                continue
-            node_items.append(_Item(target, v, getattr(parts, name), tuple(ups_here), g_flow))
-            owners.append((i, name))
-            target_index.append(tk)
-        results[i] = (parts, distinct, score)
-    if node_items:
-        cut = cut and len(ups_list) > 1
-        if len(ups_list) > 1 and not cut:
-            _check_independent(ups_list)
-        meta = (node_items, ups_list, targets, target_index, cut)
-        provenance = [get_provenance(it.lp) for it in node_items]  # TraceGraph_ELBO's tracking
-        if any(provenance) or any(get_provenance(t) for t in (*ups_list, *targets)):
-            node_items = [_strip_provenance(it) for it in node_items]
-            ups_list = [detach_provenance(u) for u in ups_list]
-            targets = [detach_provenance(t) for t in targets]
-            meta = (node_items, ups_list, targets, target_index, cut)
-        lps = [it.lp for it in node_items]
-        outs = _Pathwise.apply(meta, *ups_list, *lps, *targets)
-        split_of: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
-        for n, key in enumerate(owners):
-            full, path = outs[2 * n], outs[2 * n + 1]
-            if provenance[n]:
-                full, path = (
-                    track_provenance(full, provenance[n]),
-                    track_provenance(path, provenance[n]),
-                )
-            split_of[key] = (full, path)
-        for i, r in enumerate(results):
-            if r is None or len(r) != 3 or not isinstance(r[1], dict):
-                continue
-            parts, distinct, score = r
-            full, path = [], []
-            for name in ("log_prob", "score_function", "entropy_term"):
-                t = getattr(parts, name)
-                if name in distinct:
-                    f, p = split_of[(i, distinct[name])]
-                    full.append(f)
-                    path.append(p)
-                else:
-                    full.append(t)
-                    path.append(t.detach() if torch.is_tensor(t) else t)
-            results[i] = (ScoreParts(*full), ScoreParts(*path), score)
+            if first == name:
+                node_items.append(_Item(target, v, getattr(parts, name), tuple(ups_here), g_flow))
+                target_index.append(len(targets) - 1)
+        pending.append((i, parts, distinct, score))
+    if not node_items:
+        return results
+    cut = cut and len(ups_list) > 1
+    if len(ups_list) > 1 and not cut:
+        _check_independent(ups_list)
+    # TraceGraph_ELBO's provenance tracking: stripped for the node, put back on its outputs
+    provenance = [get_provenance(it.lp) for it in node_items]
+    strip = detach_provenance
+    node_items = [
+        it._replace(target=strip(it.target), v=strip(it.v), lp=strip(it.lp)) for it in node_items
+    ]
+    ups_list = [strip(u) for u in ups_list]
+    targets = [strip(t) for t in targets]
+    meta = (node_items, ups_list, targets, target_index, cut)
+    outs = _Pathwise.apply(meta, *ups_list, *(it.lp for it in node_items), *targets)
+    outs = [track_provenance(t, provenance[n // 2]) for n, t in enumerate(outs)]
+    n = 0
+    for i, parts, distinct, score in pending:
+        split_of = {}
+        for name, first in distinct.items():
+            if first == name:
+                split_of[name] = outs[2 * n], outs[2 * n + 1]
+                n += 1
+        full, path = [], []
+        for name in _NAMES:
+            t = getattr(parts, name)
+            f, p = split_of[distinct[name]] if name in distinct else (t, _stop(t))
+            full.append(f)
+            path.append(p)
+        results[i] = (ScoreParts(*full), ScoreParts(*path), score)
     return results
 
 
+_NAMES = ("log_prob", "score_function", "entropy_term")
+
+
+def _stop(t):
+    return t.detach() if torch.is_tensor(t) else t
+
+
 def _stop_all(parts: ScoreParts) -> ScoreParts:
-    return ScoreParts(*(t.detach() if torch.is_tensor(t) else t for t in parts))
+    return ScoreParts(*(_stop(t) for t in parts))

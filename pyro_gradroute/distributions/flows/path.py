@@ -140,6 +140,20 @@ class FlowLayer:
         return FlowLayer(transform, self.x, self.y, _parent=self)
 
 
+def log_prob_along(fn: TransformedDistribution, steps: list, x0: torch.Tensor) -> tuple:
+    """``(fn.log_prob(y), base log_prob)`` along ``steps``, ``(transform, input, output)`` per
+    transform of ``fn``, as torch computes it: walking from the output, each transform changes
+    the event dims by ``domain.event_dim - codomain.event_dim`` (``CorrCholeskyTransform``,
+    ``ReshapeTransform``) and its Jacobian term is summed over those left of its domain's."""
+    event_dim = len(fn.event_shape)
+    lp: torch.Tensor | float = 0.0
+    for t, x, y in reversed(steps):
+        event_dim += t.domain.event_dim - t.codomain.event_dim
+        lp = lp - sum_rightmost(t.log_abs_det_jacobian(x, y), event_dim - t.domain.event_dim)
+    base_lp = fn.base_dist.log_prob(x0)
+    return lp + sum_rightmost(base_lp, event_dim - len(fn.base_dist.event_shape)), base_lp
+
+
 def normal_base_grad(base, x: torch.Tensor) -> torch.Tensor | None:
     r""":math:`\nabla_x \log q_0(x) = (\mu - x) / \sigma^2` of a ``Normal`` base (also under
     ``Independent``), parameters held fixed, rounded as autograd rounds it; None for any
@@ -202,15 +216,9 @@ class FlowPath:
 
     def log_prob(self) -> torch.Tensor:
         """``fn.log_prob(y)`` from the path (the same operations as with the transforms' caches)."""
-        fn = self.fn
-        event_dim = len(fn.event_shape)
-        lp: torch.Tensor | float = 0.0
-        for t, (a, b) in zip(reversed(fn.transforms), reversed(self.spans)):
-            event_dim += t.domain.event_dim - t.codomain.event_dim
-            ladj = t.log_abs_det_jacobian(self.xs[a], self.xs[b])
-            lp = lp - sum_rightmost(ladj, event_dim - t.domain.event_dim)
-        self._base_lp = fn.base_dist.log_prob(self.xs[0])
-        return lp + sum_rightmost(self._base_lp, event_dim - len(fn.base_dist.event_shape))
+        steps = [(t, self.xs[a], self.xs[b]) for t, (a, b) in zip(self.fn.transforms, self.spans)]
+        lp, self._base_lp = log_prob_along(self.fn, steps, self.xs[0])
+        return lp
 
     def base_grad(self) -> torch.Tensor:
         r""":math:`\nabla_{x_0} \log q_0(x_0)` with the parameters held fixed.
