@@ -22,59 +22,21 @@ import torch
 from pyro.distributions.util import scale_and_mask
 from pyro.poutine.util import site_is_subsample
 from torch.distributions import Independent, Normal, TransformedDistribution
-from torch.distributions.transforms import ComposeTransform
 
 from ..routing import passes_product, reached_nodes, reaches_leaf_directly
 from .detached import delta_base, density_reads_parameters
+from .flows import _flatten
 
-__all__ = ["NormalSite", "normal_pushforward", "normal_score", "normal_sites", "plain_normal"]
-
-
-def plain_normal(fn) -> tuple[Normal | None, int]:
-    """``(base, event_ndims)``: the ``Normal`` under ``Independent`` wrappers, or ``(None, 0)``.
-
-    Only a ``Normal`` whose ``log_prob`` and ``rsample`` are torch's own (``z = loc + scale *
-    eps``) qualifies; ``Pyro``'s ``dist.Normal`` and its ``.expand(...)`` / ``.to_event(...)``
-    do.
-
-    Example::
-
-        >>> import pyro.distributions as dist
-        >>> base, n = plain_normal(dist.Normal(0.0, 1.0).expand([3]).to_event(1))
-        >>> type(base).__name__, n
-        ('Normal', 1)
-        >>> plain_normal(dist.LogNormal(0.0, 1.0))
-        (None, 0)
-    """
-    n = 0
-    while isinstance(fn, Independent):
-        n += fn.reinterpreted_batch_ndims
-        fn = fn.base_dist
-    cls = type(fn)
-    if (
-        isinstance(fn, Normal)
-        and cls.log_prob is Normal.log_prob
-        and cls.rsample is Normal.rsample
-        and cls.sample is Normal.sample
-    ):
-        return fn, n
-    return None, 0
-
-
-def _flat(transforms) -> list:
-    """The transforms of a chain with every ``ComposeTransform`` expanded into its parts."""
-    out = []
-    for t in transforms:
-        out.extend(_flat(t.parts) if isinstance(t, ComposeTransform) else [t])
-    return out
+__all__ = ["NormalSite", "normal_pushforward", "normal_score", "normal_sites"]
 
 
 def normal_pushforward(fn) -> tuple[Normal | None, int, list]:
-    r"""``(base, event_ndims, transforms)``: :func:`plain_normal`, or a ``Normal`` pushed forward
-    by elementwise, bijective, parameter-free transforms (``LogNormal``, ``biject_to``'s
-    ``exp`` / ``sigmoid``), whose log-density at :math:`z` is the ``Normal``'s at
-    :math:`u = T^{-1}(z)` plus a Jacobian term free of :math:`\mu, \sigma`: its score part
-    at :math:`(\mu, \sigma)` is the ``Normal``'s at :math:`u`.
+    r"""``(base, event_ndims, transforms)``: a ``Normal`` (torch's own ``log_prob`` and
+    ``rsample``, ``z = loc + scale * eps``) under ``Independent`` wrappers, pushed forward by
+    elementwise, bijective, parameter-free transforms (``LogNormal``, ``biject_to``'s ``exp``
+    / ``sigmoid``), or ``(None, 0, [])``. The log-density at :math:`z` is the ``Normal``'s at
+    :math:`u = T^{-1}(z)` plus a Jacobian term free of :math:`\mu, \sigma`: its score part at
+    :math:`(\mu, \sigma)` is the ``Normal``'s at :math:`u`.
 
     Example::
 
@@ -92,7 +54,7 @@ def normal_pushforward(fn) -> tuple[Normal | None, int, list]:
             isinstance(fn, TransformedDistribution)
             and type(fn).log_prob is TransformedDistribution.log_prob
         ):
-            parts = _flat(fn.transforms)
+            parts = _flatten(fn.transforms)
             for t in parts:
                 if not (
                     t.bijective
@@ -103,9 +65,15 @@ def normal_pushforward(fn) -> tuple[Normal | None, int, list]:
                     return None, 0, []
             transforms = parts + transforms
             fn = fn.base_dist
+        elif (
+            isinstance(fn, Normal)
+            and type(fn).log_prob is Normal.log_prob
+            and type(fn).rsample is Normal.rsample
+            and type(fn).sample is Normal.sample
+        ):
+            return fn, n, transforms
         else:
-            base, m = plain_normal(fn)
-            return (base, n + m, transforms) if base is not None else (None, 0, [])
+            return None, 0, []
 
 
 def normal_score(

@@ -1,45 +1,25 @@
 r"""Pathwise parts of Pyro's structured guides (``AutoStructured``, ``AutoGaussian``).
 
-These guides draw auxiliary noise, map it to each latent's unconstrained value by an
-affine map (a shear for ``AutoStructured``'s dependencies), push it through
-``biject_to(support)`` and record each latent as a ``Delta`` whose ``log_density`` is
-minus the log-Jacobian of that map. Their joint log-density is
-
-.. math::
-
-    \log q(z; \phi) = \sum_a \log q_a(\hat\epsilon_a(z; \phi)) + \sum_s \text{log\_density}_s(z; \phi),
-
-with :math:`\hat\epsilon(z; \phi)` the noise that maps to :math:`z`. Its pathwise part
-:math:`\log q(z; \bot(\phi))` at the live sample needs :math:`\hat\epsilon` with the
-parameters stopped and the sample live. The maps are affine in the noise, so this needs no
-inverse of the guide: per site, the live unconstrained value :math:`u_s = a_s + m_s` (the
-guide's own arithmetic, rerun with live parameters, no ``biject_to`` inverse) gives
+These guides map auxiliary noise :math:`\epsilon` affinely to each latent's unconstrained
+value :math:`u_s = a_s + m_s`, push it through ``biject_to(support)`` and record a ``Delta``
+whose ``log_density`` is minus the log-Jacobian. The pathwise part of the joint density needs
+the noise :math:`\hat\epsilon(z; \bot(\phi))` that maps to the live sample: the guide's own
+arithmetic is rerun with live parameters, then inverted with the parameters stopped,
 
 .. math::
 
     \hat a_s = u_s - \bot(m_s), \qquad
-    \hat\epsilon_s = \bot(A_s)^{-1}\Big(\hat a_s - \sum_{p} \bot(\text{dep}_{sp})(\hat a_p)\Big),
+    \hat\epsilon_s = \bot(A_s)^{-1}\Big(\hat a_s - \sum_{p} \bot(\text{dep}_{sp})(\hat a_p)\Big)
 
-(``AutoStructured``: :math:`A_s` the diagonal ``scale`` or ``scale_tril * scale``, a
-triangular solve; a dependency module is called with its parameters stopped, so it may
-be non-linear: a shear needs no inverse) or :math:`\hat x_s = (u_s - \bot(m_s)) / \bot(\sigma_s)`
-(``AutoGaussian``, dense backend, whose noise is the joint Gaussian draw). The gradient of
-this is the forward-carried rule :math:`g_u = A^{-T}(g_\epsilon - \partial \log|\det A| /
-\partial\epsilon)` with :math:`\log|\det A|` constant in the noise. The values are the
-guide's own (the recomputation only supplies the gradient), and every recomputed value is
-checked against the trace's, so a guide that does not follow this arithmetic raises
-instead of giving a wrong gradient.
-
-Recognition: the ``Delta`` site must be sampled by ``AutoStructured.forward`` or
-``AutoGaussian.forward`` themselves (found on the call stack by their code objects, at
-the sample statement), with Pyro's own ``get_deltas`` / ``_transform_values`` /
-``_sample_aux_values``. Anything else (a subclass that changes them, ``AutoStructured``
-with a callable conditional, ``AutoGaussian``'s funsor backend) raises a ``ValueError``
-naming the site.
+(a triangular solve; ``AutoGaussian``'s dense backend: :math:`(u_s - \bot(m_s)) /
+\bot(\sigma_s)`). Every recomputed value is checked against the trace's, and anything else
+(an overridden method, a callable conditional, the funsor backend) raises
+:class:`StructuredNotSupported` naming the site.
 """
 
 from __future__ import annotations
 
+import functools
 from operator import attrgetter
 
 import torch
@@ -66,6 +46,7 @@ class StructuredNotSupported(ValueError):
     """A structured guide whose pathwise part cannot be computed exactly."""
 
 
+@functools.cache
 def _guide_codes() -> dict:
     return {
         AutoStructured.forward.__code__: AutoStructured,
@@ -73,29 +54,22 @@ def _guide_codes() -> dict:
     }
 
 
-_CODES: dict | None = None
-
-
 def calling_structured_guide(max_depth: int = 48):
-    """The ``AutoStructured`` / ``AutoGaussian`` whose ``forward`` is executing a sample statement now, or None.
-
-    Called from a messenger while the guide's ``pyro.sample`` statement is processed: it
-    looks for the guide's ``forward`` frame (by code object identity) a few frames up.
-    """
-    global _CODES
-    if _CODES is None:
-        _CODES = _guide_codes()
-    frame, cls = find_frame(_CODES, max_depth)
+    """The ``AutoStructured`` / ``AutoGaussian`` whose ``forward`` (a frame up the stack, found
+    by code object) is executing a sample statement now, or None."""
+    frame, cls = find_frame(_guide_codes(), max_depth)
     if frame is None:
         return None
     guide = frame.f_locals.get("self")
     return guide if isinstance(guide, cls) else None
 
 
-def _stopped_call(module, x):
+def _stopped_call(name: str, up: str, module, x):
     """``module(x)`` with the module's parameters (and buffers) detached: gradient to ``x`` only."""
     if not isinstance(module, torch.nn.Module):
-        return None
+        why = f"AutoStructured's dependency on '{up}' is a callable that is not a torch.nn.Module"
+        use = "dependencies='linear' or an nn.Module, or " + _TRACE
+        raise _refuse(name, why + " (it cannot be evaluated with its parameters stopped)", use)
     params = {k: v.detach() for k, v in module.named_parameters()}
     params.update({k: v for k, v in module.named_buffers()})
     return torch.func.functional_call(module, params, (x,))
@@ -112,13 +86,19 @@ def _check_close(name: str, what: str, got: torch.Tensor, want: torch.Tensor, sc
     else:
         ok = bool(torch.allclose(got.detach(), want.detach(), rtol=rtol, atol=atol * scale))
     if not ok:
-        raise StructuredNotSupported(
-            f"guide site '{name}': its {what} could not be reproduced from the structured "
-            "guide's parameters (a subclass or handler changed how the guide computes it), so "
-            "its pathwise part is not available and dropping the score part would bias the "
-            "gradient. Use pyro_gradroute.infer.Trace_ELBO (or pyro.infer.RenyiELBO) with "
-            "this guide."
-        )
+        why = f"its {what} could not be reproduced from the structured guide's parameters (a "
+        raise _refuse(name, why + "subclass or handler changed how the guide computes it)")
+
+
+_TRACE = "pyro_gradroute.infer.Trace_ELBO with this guide"
+
+
+def _refuse(site: str, why: str, use: str = _TRACE) -> StructuredNotSupported:
+    """The error for a site whose pathwise part cannot be exact."""
+    return StructuredNotSupported(
+        f"guide site '{site}': {why}, so its pathwise part is not available and dropping the "
+        f"score part would bias the gradient. Use {use}."
+    )
 
 
 def _live(orig: torch.Tensor, recomputed: torch.Tensor) -> torch.Tensor:
@@ -126,30 +106,33 @@ def _live(orig: torch.Tensor, recomputed: torch.Tensor) -> torch.Tensor:
     return orig.detach() + (recomputed - recomputed.detach())
 
 
+def _delta_part(name: str, rec, ld: torch.Tensor) -> tuple:
+    """A Delta site's pathwise part: its recomputed ``log_density`` ``ld``, checked."""
+    want = torch.as_tensor(delta_base(rec.fn).log_density).expand(ld.shape)
+    _check_close(name, "log_density", ld, want)
+    return _live(rec.parts[0].log_prob, ld.expand(rec.parts[0].log_prob.shape)), False
+
+
 def structured_pathwise(guide, records: dict) -> dict:
     """``{site name: (pathwise log_prob, is_point)}`` of a structured guide's sites in ``records``.
 
-    ``records``: the run's sites by name, as the handler holds them
-    (``raw``: the sample, ``fn``: its distribution, ``parts[0]``: its full score parts). ``is_point``: a Delta site of ``AutoStructured``'s ``"delta"``
-    conditional (a deterministic function of parameters and upstream noise, no density).
+    ``records``: the run's sites by name (``raw``: the sample, ``fn``: its distribution,
+    ``parts[0]``: its full score parts). ``is_point``: a Delta of an ``AutoStructured``
+    ``"delta"`` conditional (a function of parameters and upstream noise, no density).
     Raises :class:`StructuredNotSupported` naming the site where it cannot be exact.
     """
     if isinstance(guide, AutoStructured):
         if type(guide).get_deltas is not AutoStructured.get_deltas:
-            raise StructuredNotSupported(_override_msg(guide, "get_deltas"))
+            raise _override(guide, "get_deltas")
         return _autostructured(guide, records)
     if isinstance(guide, AutoGaussian):
         name = next(
             iter(n for n, s in autogaussian_factors(guide).items() if not s["is_observed"]), "?"
         )
         if not isinstance(guide, AutoGaussianDense):
-            raise StructuredNotSupported(
-                f"guide site '{name}': {type(guide).__name__} (AutoGaussian with a backend other "
-                "than 'dense') draws its auxiliary values by a sampler whose pathwise part is "
-                "not available, and dropping the score part would bias the gradient. Use "
-                "AutoGaussian(model, backend='dense') (or AutoMultivariateNormal) with this "
-                "estimator, or pyro_gradroute.infer.Trace_ELBO with this guide."
-            )
+            why = f"{type(guide).__name__} (AutoGaussian with a backend other than 'dense') "
+            use = "AutoGaussian(model, backend='dense') (or AutoMultivariateNormal), or " + _TRACE
+            raise _refuse(name, why + "draws its auxiliary values by its own sampler", use)
         for meth in (
             "_transform_values",
             "_sample_aux_values",
@@ -157,35 +140,27 @@ def structured_pathwise(guide, records: dict) -> dict:
             "_dense_flatten",
         ):
             if getattr(type(guide), meth) is not getattr(AutoGaussianDense, meth):
-                raise StructuredNotSupported(_override_msg(guide, meth))
+                raise _override(guide, meth)
         try:
             return _autogaussian(guide, records)
         except RuntimeError as e:  # a layout the recomputation does not reproduce
-            raise StructuredNotSupported(
-                f"guide site '_{pyro_name(guide)}_latent': the pathwise part of this "
-                f"AutoGaussian could not be recomputed ({e}); dropping the score part without "
-                "it would bias the gradient. Use pyro_gradroute.infer.Trace_ELBO with this guide."
-            ) from e
+            why = f"this AutoGaussian's map could not be recomputed ({e})"
+            raise _refuse(f"_{pyro_name(guide)}_latent", why) from e
     raise StructuredNotSupported(f"unsupported structured guide {type(guide).__name__}")
 
 
-def _override_msg(guide, meth: str) -> str:
-    return (
-        f"{type(guide).__name__} overrides {meth}, so the pathwise part of its Delta sites "
-        "(whose log_density depends on the guide's parameters) is not available and dropping "
-        "the score part would bias the gradient. Use pyro_gradroute.infer.Trace_ELBO with this "
-        "guide, or Pyro's own AutoStructured / AutoGaussian."
+def _override(guide, meth: str) -> StructuredNotSupported:
+    return StructuredNotSupported(
+        f"{type(guide).__name__} overrides {meth}, so the pathwise part of its Delta sites (whose "
+        f"log_density reads the guide's parameters) is not available. Use {_TRACE}, or Pyro's own."
     )
 
 
 def _record(records: dict, name: str, what: str):
     rec = records.get(name)
     if rec is None or not torch.is_tensor(rec.raw):
-        raise StructuredNotSupported(
-            f"guide site '{name}' ({what}) is not in this guide run as the structured guide "
-            "records it (renamed, or hidden by a handler), so the pathwise part of its Delta "
-            "sites is not available. Use pyro_gradroute.infer.Trace_ELBO with this guide."
-        )
+        why = f"({what}) is not in this guide run as the guide records it (renamed, or hidden)"
+        raise _refuse(name, why)
     return rec
 
 
@@ -198,12 +173,8 @@ def _autostructured(g, records: dict) -> dict:
         cond = g.conditionals[name]
         loc = attrgetter(name)(g.locs)
         if callable(cond) or cond not in ("delta", "normal", "mvn"):
-            raise StructuredNotSupported(
-                f"guide site '{name}': AutoStructured's conditional {cond!r} for it is not "
-                "'delta', 'normal' or 'mvn', so its pathwise part is not available and "
-                "dropping the score part would bias the gradient. Use the 'normal' or 'mvn' "
-                "conditional, or pyro_gradroute.infer.Trace_ELBO with this guide."
-            )
+            why = f"AutoStructured's conditional {cond!r} for it is not 'delta', 'normal' or 'mvn'"
+            raise _refuse(name, why, "the 'normal' or 'mvn' conditional, or " + _TRACE)
         deps = attrgetter(name)(g.deps)
         ups = list(g.dependencies.get(name, {}))
         if cond == "delta":
@@ -212,11 +183,8 @@ def _autostructured(g, records: dict) -> dict:
             aux = _record(records, name + "_aux", "its auxiliary draw")
             eps = aux.raw
             if eps.requires_grad:
-                raise StructuredNotSupported(
-                    f"guide site '{name}_aux': AutoStructured's auxiliary draw depends on "
-                    "parameters (a handler changed it), so the pathwise part of site "
-                    f"'{name}' is not available. Use pyro_gradroute.infer.Trace_ELBO."
-                )
+                why = "AutoStructured's auxiliary draw depends on parameters (a handler changed it)"
+                raise _refuse(name + "_aux", why)
             scale = attrgetter(name)(g.scales)
             scale0 = scale.detach()
             if cond == "normal":
@@ -241,10 +209,7 @@ def _autostructured(g, records: dict) -> dict:
             # a point: no density; its aux value downstream is a function of upstream noise
             r = torch.zeros_like(loc)
             for up in ups:
-                y = _stopped_call(attrgetter(up)(deps), hat[up])
-                if y is None:
-                    raise StructuredNotSupported(_dep_msg(name, up))
-                r = r + y
+                r = r + _stopped_call(name, up, attrgetter(up)(deps), hat[up])
             hat[name] = r
             out[name] = (None, True)
             continue
@@ -252,10 +217,7 @@ def _autostructured(g, records: dict) -> dict:
         hat[name] = a_hat
         r = a_hat
         for up in ups:
-            y = _stopped_call(attrgetter(up)(deps), hat[up])
-            if y is None:
-                raise StructuredNotSupported(_dep_msg(name, up))
-            r = r - y
+            r = r - _stopped_call(name, up, attrgetter(up)(deps), hat[up])
         r = r / scale0
         if cond == "mvn":
             r = torch.linalg.solve_triangular(tril0, r.unsqueeze(-1), upper=False).squeeze(-1)
@@ -264,19 +226,8 @@ def _autostructured(g, records: dict) -> dict:
         out[name + "_aux"] = (_live(aux_full, aux.fn.log_prob(r)), False)
         ld = ld0.reshape(batch_shape + (-1,)).sum(-1)
         ld = ld + transform.inv.log_abs_det_jacobian(value, u)
-        d = delta_base(rec.fn)
-        _check_close(name, "log_density", ld, torch.as_tensor(d.log_density).expand(ld.shape))
-        out[name] = (_live(rec.parts[0].log_prob, ld.expand(rec.parts[0].log_prob.shape)), False)
+        out[name] = _delta_part(name, rec, ld)
     return out
-
-
-def _dep_msg(name: str, up: str) -> str:
-    return (
-        f"guide site '{name}': AutoStructured's dependency on '{up}' is a callable that is not "
-        "a torch.nn.Module, so it cannot be evaluated with its parameters stopped and the "
-        "pathwise part is not available. Use dependencies='linear' or an nn.Module, or "
-        "pyro_gradroute.infer.Trace_ELBO with this guide."
-    )
 
 
 def _autogaussian(g, records: dict) -> dict:
@@ -284,11 +235,8 @@ def _autogaussian(g, records: dict) -> dict:
     aux = _record(records, aux_name, "the auxiliary Gaussian draw")
     fn = aux.fn
     if not isinstance(fn, MultivariateNormal):
-        raise StructuredNotSupported(
-            f"guide site '{aux_name}': AutoGaussian's auxiliary draw is a "
-            f"{type(fn).__name__}, not the MultivariateNormal the dense backend draws, so "
-            "the pathwise part is not available. Use pyro_gradroute.infer.Trace_ELBO."
-        )
+        why = f"AutoGaussian's auxiliary draw is a {type(fn).__name__}, not the dense backend's MVN"
+        raise _refuse(aux_name, why)
     x = autogaussian_unflatten(g, aux.raw)
     out: dict = {}
     x_hat: dict = {}
@@ -306,9 +254,7 @@ def _autogaussian(g, records: dict) -> dict:
         ld = transform.inv.log_abs_det_jacobian(value, u) - scale.detach().log().reshape(
             site["fn"].batch_shape + (-1,)
         ).sum(-1)
-        d = delta_base(rec.fn)
-        _check_close(name, "log_density", ld, torch.as_tensor(d.log_density).expand(ld.shape))
-        out[name] = (_live(rec.parts[0].log_prob, ld.expand(rec.parts[0].log_prob.shape)), False)
+        out[name] = _delta_part(name, rec, ld)
     for name in autogaussian_dense_blocks(g):
         if name not in x_hat:  # an observed site's block (its values are the data)
             x_hat[name] = x[name].detach()
