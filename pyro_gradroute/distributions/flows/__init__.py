@@ -12,30 +12,14 @@ fixed. Instead of running :math:`T^{-1}`, it is carried *forward* with the sampl
     \qquad g_{x_0} = \nabla_{x_0} \log q_0(x_0).
 
 Each transform class has a *rule* applying that update (:func:`register_flow_rule`;
-the built-in rules are listed in :data:`RULES_TABLE`):
-
-* diagonal (elementwise) Jacobians: closed form;
-* identity plus low rank (Householder, Planar, Radial, Sylvester): Sherman-Morrison /
-  Woodbury, closed form;
-* coupling layers: one vector-Jacobian product (VJP) through the conditioner;
-* autoregressive layers (triangular :math:`J`): the fixed-point iteration
-  :math:`g \leftarrow g + \operatorname{diag}(J)^{-1}(u - J^T g)`, one VJP per iteration,
-  exact after at most :math:`D` iterations, stopped on a relative tolerance
-  (:func:`solve_settings`), raising :class:`FlowSolveError` if it is not reached.
-
-Trailing transforms without parameters (``biject_to`` pushforwards, ...) need no rule:
-the pathwise gradient is sent to the output of the last parametrized transform (see
-:class:`FlowPath`), which also keeps saturating tails finite. A transform with no rule
-makes the split fall back to the inverse-based evaluation.
-
-The VJPs run through the graph the sample was drawn with (no re-evaluation), so the
-rules cost a fraction of one backward pass through the flow; a layer whose input does
-not require grad is re-evaluated once on a detached copy instead. A ``Normal`` base
-(also under ``Independent``) gives :math:`g_{x_0}` in closed form.
-
-Modules: :mod:`.path` (the path of a sample and the layers a rule sees), :mod:`.rules`
-(the registry and the closed-form rules), :mod:`.triangular` (the triangular solve and the
-autoregressive rules).
+:data:`RULES_TABLE` lists the built-in ones): closed forms for diagonal, orthogonal and
+low-rank Jacobians, one vector-Jacobian product (VJP) through a coupling conditioner, and
+for triangular Jacobians (autoregressive layers) the fixed-point iteration
+:math:`g \leftarrow g + \operatorname{diag}(J)^{-1}(u - J^T g)`, exact after at most
+:math:`D` iterations (:func:`solve_settings`, :class:`FlowSolveError`). Trailing
+parameter-free transforms need no rule: the gradient is sent to the output of the last
+parametrized one (:class:`FlowPath`). A transform with no rule makes the split fall back to
+the inverse. ``docs/split.md`` has the table and the costs.
 
 Example (Planar layers have no inverse; the gradient is carried forward)::
 
@@ -48,7 +32,7 @@ Example (Planar layers have no inverse; the gradient is carried forward)::
     (torch.Size([3]), True)
 """
 
-# also reached as ``flows.<name>`` (by split.py, detached.py and the tests): the aliases re-export
+# also reached as ``flows.<name>`` (by split.py, detached.py, poutine/pathwise.py and the tests)
 from .path import FlowLayer, FlowPath, flow_grad
 from .path import _flatten as _flatten
 from .path import cached_path as cached_path

@@ -56,12 +56,8 @@ class FlowLayer:
 
     :meth:`vjp` gives vector-Jacobian products with the parameters held fixed, through
     the graph the sample was drawn with; :attr:`evaluated` is a transform whose caches
-    (:func:`~pyro_gradroute._compat.cached_log_scale`, ...) belong to ``x``
-    (``transform`` itself, or a copy re-evaluated at a detached ``x`` when the graph
-    cannot be used). The re-evaluation runs only when a rule asks for it: a layer whose
-    input was drawn without a graph to it (a base without parameters) and whose rule
-    reads only ``x``, ``y`` and the caches (Planar, Sylvester, an IAF over Pyro's
-    network) costs nothing more.
+    (:func:`~pyro_gradroute._compat.cached_log_scale`, ...) belong to ``x``: ``transform``
+    itself, or (only when a rule asks) a copy re-evaluated at a detached ``x``.
     """
 
     def __init__(self, transform, x: torch.Tensor, y: torch.Tensor, _parent=None):
@@ -157,17 +153,7 @@ def log_prob_along(fn: TransformedDistribution, steps: list, x0: torch.Tensor) -
 def normal_base_grad(base, x: torch.Tensor) -> torch.Tensor | None:
     r""":math:`\nabla_x \log q_0(x) = (\mu - x) / \sigma^2` of a ``Normal`` base (also under
     ``Independent``), parameters held fixed, rounded as autograd rounds it; None for any
-    other base (a subclass that changes ``log_prob`` included).
-
-    Example::
-
-        >>> import torch, pyro.distributions as dist
-        >>> base = dist.Normal(torch.zeros(2), 2.0).to_event(1)
-        >>> normal_base_grad(base, torch.tensor([1.0, -2.0]))
-        tensor([-0.2500,  0.5000])
-        >>> normal_base_grad(dist.Laplace(0.0, 1.0), torch.tensor(1.0)) is None
-        True
-    """
+    other base (a subclass that changes ``log_prob`` included)."""
     while type(base).log_prob is Independent.log_prob:
         base = base.base_dist
     if type(base).log_prob is not Normal.log_prob:
@@ -239,19 +225,14 @@ class FlowPath:
         (g,) = torch.autograd.grad(lp, [x], torch.ones_like(lp), retain_graph=True)
         return g.detach()
 
-    def carry(self, g: torch.Tensor, stop: int) -> torch.Tensor:
-        """Apply the rules of leaves ``0 .. stop-1`` to ``g`` (the gradient at ``x_0``)."""
-        for i in range(stop):
-            t = self.leaves[i]
+    def target_grad(self) -> torch.Tensor:
+        r""":math:`\nabla_{x_k} \log q(T_{>k}(x_k))`, parameters held fixed (forward-carried)."""
+        g = self.base_grad()
+        for i, t in enumerate(self.leaves[: self.k]):
             rule = flow_rule(t)
             if rule is None:
                 raise NotImplementedError(f"no forward pathwise rule for {type(t).__name__}")
             g = rule(FlowLayer(t, self.xs[i], self.xs[i + 1]), g)
-        return g
-
-    def target_grad(self) -> torch.Tensor:
-        r""":math:`\nabla_{x_k} \log q(T_{>k}(x_k))`, parameters held fixed (forward-carried)."""
-        g = self.carry(self.base_grad(), self.k)
         if self.k == len(self.leaves):
             return g
         xk = self.target
@@ -400,8 +381,7 @@ def flow_grad(fn: TransformedDistribution, x: torch.Tensor) -> tuple[torch.Tenso
             xs = [x.detach().requires_grad_()]
         for t in _flatten(fn.transforms):
             xs.append(t(xs[-1]))
-    path = FlowPath(fn, xs, len(xs) - 1)
-    return xs[-1].detach(), path.carry(path.base_grad(), len(path.leaves))
+    return xs[-1].detach(), FlowPath(fn, xs, len(xs) - 1).target_grad()
 
 
 def _target_product(path: FlowPath, g: torch.Tensor, lp: torch.Tensor) -> torch.Tensor:
@@ -432,20 +412,9 @@ def pathwise_log_prob(path: FlowPath) -> torch.Tensor:
         \bot(\log q(y)) + \langle \bot(g), x_k \rangle - \bot(\langle g, x_k \rangle),
         \qquad g = \nabla_{x_k} \log q(T_{>k}(x_k))\ \text{(forward-carried)}:
 
-    the ordinary value (from the path, as ``fn.log_prob`` computes it with the transforms'
-    caches), and a gradient that reaches the parameters only through the sample, as the
-    product with :math:`g` at the output :math:`x_k` of the last parametrized transform.
-    The log-density's own graph is not built (no part of this gradient).
-
-    Example::
-
-        >>> import torch, pyro.distributions as dist, pyro.distributions.transforms as T
-        >>> t = T.planar(2)
-        >>> q = dist.TransformedDistribution(dist.Normal(torch.zeros(2), 1.0).to_event(1), [t])
-        >>> y = q.rsample([3])
-        >>> lp = pathwise_log_prob(cached_path(q, y))
-        >>> torch.equal(lp, q.log_prob(y))
-        True
+    the ordinary value, and a gradient that reaches the parameters only through the sample
+    (the output :math:`x_k` of the last parametrized transform); the log-density's own graph
+    is not built.
     """
     with torch.no_grad():
         lp = path.log_prob()

@@ -203,23 +203,19 @@ def triangular_solve(
     return gy
 
 
-@register_flow_rule(
-    PT.AffineAutoregressive,
-    rule="triangular fixed-point iteration, diag = exp(log_scale)",
-    cost="k VJPs, k <= D (tolerance)",
-)
+_ITERATION = "triangular fixed-point iteration, diag = "
+_K_VJPS = "k VJPs, k <= D (tolerance)"
+
+
+@register_flow_rule(PT.AffineAutoregressive, rule=_ITERATION + "exp(log_scale)", cost=_K_VJPS)
 def _affine_autoregressive(layer, g):
     log_diag = cached_log_scale(layer.evaluated).detach()
     return triangular_solve(layer, g, log_diag, F=_made_products(layer))
 
 
 def _made_products(layer):
-    r"""``F(g) = J^T g + grad ladj`` of an IAF over Pyro's ``AutoRegressiveNN`` with plain matmuls.
-
-    The network is re-run once on the detached input (keeping its pre-activations);
-    each product is then one masked matmul per layer, with no autograd call. None
-    (use :meth:`FlowLayer.vjp`) for other networks.
-    """
+    r"""``F(g) = J^T g + grad ladj`` of an IAF over Pyro's ``AutoRegressiveNN``, as one masked
+    matmul per layer (no autograd call); None (use :meth:`FlowLayer.vjp`) for other networks."""
     t = layer.transform
     arn = module_attr(t, "arn")
     if not isinstance(arn, AutoRegressiveNN) or type(arn).forward is not AutoRegressiveNN.forward:
@@ -256,11 +252,7 @@ def _made_products(layer):
     return F
 
 
-@register_flow_rule(
-    PT.SplineAutoregressive,
-    rule="triangular fixed-point iteration, diag = spline derivative",
-    cost="k VJPs, k <= D (tolerance)",
-)
+@register_flow_rule(PT.SplineAutoregressive, rule=_ITERATION + "spline derivative", cost=_K_VJPS)
 def _spline_autoregressive(layer, g):
     return triangular_solve(layer, g, spline_log_derivative(layer.evaluated).detach())
 
@@ -278,11 +270,7 @@ def _spline_coupling(layer, g):
     return triangular_solve(layer, g, log_diag, depth=2)
 
 
-@register_flow_rule(
-    PT.NeuralAutoregressive,
-    rule="triangular fixed-point iteration, diag from the cached DSF terms",
-    cost="k VJPs, k <= D (tolerance)",
-)
+@register_flow_rule(PT.NeuralAutoregressive, rule=_ITERATION + "cached DSF terms", cost=_K_VJPS)
 def _naf(layer, g):
     return triangular_solve(layer, g, naf_log_diag(layer.evaluated))
 
@@ -296,11 +284,7 @@ def naf_log_diag(t) -> torch.Tensor:
         )
 
 
-@register_flow_rule(
-    PT.BlockAutoregressive,
-    rule="triangular fixed-point iteration, diag = cached log-diagonal",
-    cost="k VJPs, k <= D (tolerance)",
-)
+@register_flow_rule(PT.BlockAutoregressive, rule=_ITERATION + "cached log-diagonal", cost=_K_VJPS)
 def _bnaf(layer, g):
     # Pyro's cached log-diagonal is off by ~1e-8 (an epsilon): a few more iterations
     log_diag = cached_log_det_jacobian(layer.evaluated).detach()
