@@ -33,6 +33,7 @@ from torch.distributions.transforms import ComposeTransform, IndependentTransfor
 from .._compat import set_unquantized, transform_cache, unquantized
 from ..routing import reached
 from . import flows
+from .flows.path import evaluate, log_prob_along
 
 __all__ = [
     "SplitLogProb",
@@ -243,8 +244,6 @@ def flatten_transformed(fn: Distribution) -> Distribution:
     if not isinstance(base, TransformedDistribution) or not _default_score_parts(base):
         return fn
     inner = flatten_transformed(base)
-    if not isinstance(inner, TransformedDistribution):
-        return fn
     ts = [IndependentTransform(t, n) for t in inner.transforms] if n else list(inner.transforms)
     flat = type(fn)(inner.base_dist, ts + list(fn.transforms), validate_args=False)
     if flat.batch_shape != fn.batch_shape or flat.event_shape != fn.event_shape:
@@ -291,13 +290,13 @@ def _cached(t) -> bool:
 
 def _transformed_log_prob(fn: TransformedDistribution, x: torch.Tensor) -> torch.Tensor:
     """``fn.log_prob(T(x))`` computed forward from the pre-image ``x`` (no inverse), with
-    torch's event-dim bookkeeping (:func:`~pyro_gradroute.distributions.flows.path.log_prob_along`)."""
+    torch's event-dim bookkeeping (:func:`~.flows.path.log_prob_along`)."""
     steps, y = [], x
     for t in fn.transforms:
         t = t.with_cache(0)
         steps.append((t, y, t(y)))
         y = steps[-1][2]
-    return flows.log_prob_along(fn, steps, x)[0]
+    return log_prob_along(fn, steps, x)[0]
 
 
 def _leaf(t: torch.Tensor, grad_mode: bool) -> torch.Tensor:
@@ -314,7 +313,7 @@ def _evaluate(fn: Distribution, value: torch.Tensor, preimage, grad_mode: bool):
     if preimage is None and _flow_candidate(fn):
         preimage = flows.cached_path(fn, value)
     if isinstance(preimage, flows.FlowPath):
-        lp, g, score = flows.evaluate(preimage, grad_mode)
+        lp, g, score = evaluate(preimage, grad_mode)
         return preimage.target, None, _parts(fn, lp), (g, score)
     if preimage is not None:
         v = _leaf(preimage, grad_mode)
@@ -486,13 +485,10 @@ def split_score_parts(items, on_error=None, cut: bool = False, names=None):
         except (NotImplementedError, KeyError) as e:
             err = SplitNotSupported(
                 f"{type(fn).__name__}.log_prob cannot be evaluated at a fixed sample "
-                f"({type(e).__name__}: {e}). The score/pathwise split needs log q(z; phi) at "
-                "a sample held fixed, which for a TransformedDistribution with parametrized "
-                "transforms means running their inverse; transforms without an inverse "
-                "(Planar, Radial, Sylvester, BlockNeuralAutoregressive, ...) cannot be split. "
-                "Use invertible transforms (affine_autoregressive, spline, "
-                "spline_autoregressive, ...) or an estimator that does not split this site "
-                "(Trace_ELBO)."
+                f"({type(e).__name__}: {e}): a transform without a forward rule "
+                "(flows.register_flow_rule) is run backwards, and one without an inverse "
+                "cannot be split. Register a rule for it, or use an estimator that does not "
+                "split this site (Trace_ELBO)."
             )
             results[i] = on_error(i, err) if on_error is not None else None
             if results[i] is None:
@@ -504,12 +500,11 @@ def split_score_parts(items, on_error=None, cut: bool = False, names=None):
             raise ValueError(f"Error while computing log_prob at site '{names[i]}':\n{e}") from e
         g_flow, score = (None, parts.log_prob) if flow is None else flow
         results[i] = (parts, _stop_all(parts), score)
-        distinct: dict[str, str] = {}
+        distinct: dict[str, str] = {}  # part name -> the first name holding the same tensor
         for name in _NAMES:
             t = getattr(parts, name)
             if torch.is_tensor(t) and t.requires_grad and grad_mode:
-                alias = [n for n in distinct if getattr(parts, n) is t]
-                distinct[name] = alias[0] if alias else name
+                distinct[name] = next((n for n in distinct if getattr(parts, n) is t), name)
         ups_here: list[int] = []
         if distinct and upstream:
             if cut:

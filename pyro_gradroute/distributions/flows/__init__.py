@@ -36,10 +36,8 @@ Example (Planar layers have no inverse; the gradient is carried forward)::
 from .path import FlowLayer, FlowPath, flow_grad
 from .path import _flatten as _flatten
 from .path import cached_path as cached_path
-from .path import evaluate as evaluate
 from .path import forward_path as forward_path
 from .path import holds_params as holds_params
-from .path import log_prob_along as log_prob_along
 from .path import normal_base_grad as normal_base_grad
 from .path import pathwise_log_prob as pathwise_log_prob
 from .path import supported as supported

@@ -60,18 +60,15 @@ class FlowLayer:
     itself, or (only when a rule asks) a copy re-evaluated at a detached ``x``.
     """
 
-    def __init__(self, transform, x: torch.Tensor, y: torch.Tensor, _parent=None):
+    def __init__(self, transform, x: torch.Tensor, y: torch.Tensor):
         self.transform = transform
         self.x = x.detach()
         self.y = y.detach()
         self.event_dim = transform.domain.event_dim
-        self._parent = _parent
+        self._in, self._out = x, y
         self._ladj = None
         self._x = self._y = None  # the graph's ends, once known
-        if _parent is not None:  # an IndependentTransform's base: the parent's graph
-            self._t = None if _parent._t is None else _parent._t.base_transform
-            self._x, self._y = _parent._x, _parent._y
-        elif x.requires_grad and y.requires_grad and _cache_matches(transform, x):
+        if x.requires_grad and y.requires_grad and _cache_matches(transform, x):
             self._t, self._x, self._y = transform, x, y
         else:  # the caches still belong to x if the cache holds it; the graph, on demand
             self._t = transform if _cache_matches(transform, x, strict=True) else None
@@ -79,11 +76,6 @@ class FlowLayer:
     def _graph(self) -> None:
         """Re-evaluate the layer at a detached ``x`` on a fresh copy (a graph to VJP through)."""
         if self._x is not None:
-            return
-        if self._parent is not None:
-            self._parent._graph()
-            p = self._parent
-            self._t, self._x, self._y = p._t.base_transform, p._x, p._y
             return
         t2 = _fresh(self.transform)
         xd = self.x.detach().requires_grad_()
@@ -133,7 +125,7 @@ class FlowLayer:
 
     def sub(self, transform) -> FlowLayer:
         """The same layer seen as ``transform`` (e.g. an ``IndependentTransform``'s base)."""
-        return FlowLayer(transform, self.x, self.y, _parent=self)
+        return FlowLayer(transform, self._in, self._out)
 
 
 def log_prob_along(fn: TransformedDistribution, steps: list, x0: torch.Tensor) -> tuple:
@@ -164,12 +156,10 @@ def normal_base_grad(base, x: torch.Tensor) -> torch.Tensor | None:
 
 
 def _flatten(transforms) -> list:
+    """The transforms with every ``ComposeTransform`` expanded into its parts."""
     out = []
     for t in transforms:
-        if isinstance(t, TT.ComposeTransform):
-            out.extend(_flatten(t.parts))
-        else:
-            out.append(t)
+        out.extend(_flatten(t.parts) if isinstance(t, TT.ComposeTransform) else [t])
     return out
 
 

@@ -135,15 +135,13 @@ def triangular_solve(
     r"""Solve :math:`J^T g_y = g - \nabla_x \log|\det J|` for a triangular :math:`J` (any variable order).
 
     The fixed-point iteration :math:`g_y \leftarrow g_y + \operatorname{diag}(J)^{-1}
-    (g - \nabla_x \log|\det J| - J^T g_y)`, from :math:`g_y = 0`, takes one
-    :meth:`FlowLayer.vjp` per iteration and is exact after :math:`D` iterations (the
-    strictly triangular part is nilpotent). It stops when the update is below the
-    relative tolerance of :func:`solve_settings`, or after exactly ``depth``
+    (g - \nabla_x \log|\det J| - J^T g_y)`, from :math:`g_y = 0`, one :meth:`FlowLayer.vjp`
+    per iteration, exact after :math:`D` iterations (the strictly triangular part is
+    nilpotent), stops at the tolerance of :func:`solve_settings`, or after ``depth``
     iterations when the nilpotency index is known (coupling layers: 2).
 
-    :param log_diag: :math:`\log \operatorname{diag}(J)`, shaped like ``g``. Only the speed
-        depends on it (the fixed point does not); ``slack`` extra iterations are allowed
-        when it is approximate.
+    :param log_diag: :math:`\log \operatorname{diag}(J)`, shaped like ``g`` (only the speed
+        depends on it; ``slack`` extra iterations are allowed when it is approximate).
     :param F: optional ``F(g) = J^T g + grad log|det J|`` (``F(None)``: the gradient alone);
         default :meth:`FlowLayer.vjp`.
     :raises FlowSolveError: if not converged within ``max_iter`` iterations (default
