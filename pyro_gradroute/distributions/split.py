@@ -188,11 +188,7 @@ def _times(h: torch.Tensor, g: torch.Tensor, target: torch.Tensor) -> torch.Tens
 
 
 def _add(a, b):
-    if a is None:
-        return b
-    if b is None:
-        return a
-    return a + b
+    return b if a is None else a if b is None else a + b
 
 
 def _check_independent(ups: list[torch.Tensor]) -> None:

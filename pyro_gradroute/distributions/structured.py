@@ -75,17 +75,10 @@ def _stopped_call(name: str, up: str, module, x):
     return torch.func.functional_call(module, params, (x,))
 
 
-def _tol(t: torch.Tensor) -> tuple[float, float]:
-    return (1e-9, 1e-9) if t.dtype == torch.float64 else (2e-4, 2e-4)
-
-
 def _check_close(name: str, what: str, got: torch.Tensor, want: torch.Tensor, scale=1.0) -> None:
-    rtol, atol = _tol(want)
-    if got.shape != want.shape and torch.broadcast_shapes(got.shape, want.shape) != want.shape:
-        ok = False
-    else:
-        ok = bool(torch.allclose(got.detach(), want.detach(), rtol=rtol, atol=atol * scale))
-    if not ok:
+    tol = 1e-9 if want.dtype == torch.float64 else 2e-4
+    shape_ok = torch.broadcast_shapes(got.shape, want.shape) == want.shape
+    if not (shape_ok and torch.allclose(got.detach(), want.detach(), rtol=tol, atol=tol * scale)):
         why = f"its {what} could not be reproduced from the structured guide's parameters (a "
         raise _refuse(name, why + "subclass or handler changed how the guide computes it)")
 

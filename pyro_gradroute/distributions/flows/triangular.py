@@ -9,10 +9,10 @@ one vector-Jacobian product per iteration, exact after at most :math:`D` iterati
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import numbers
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 
 import pyro.distributions.transforms as PT
 import torch
@@ -33,7 +33,7 @@ class FlowSolveError(ValueError):
     """The triangular fixed-point iteration of an autoregressive layer did not converge."""
 
 
-@dataclass
+@dataclasses.dataclass
 class _Settings:
     rtol: float | None = None  # None: 1e-12 (float64), 1e-6 (float32 and lower)
     max_iter: int | None = None  # None: D (exact after D iterations in exact arithmetic)
@@ -71,7 +71,7 @@ def solve_settings(rtol: float | None = None, max_iter: int | None = None) -> It
             f"solve_settings: max_iter must be a positive integer, got {max_iter!r} "
             "(None: the dimension D, exact in exact arithmetic)"
         )
-    old = _Settings(_SETTINGS.rtol, _SETTINGS.max_iter)
+    old = dataclasses.replace(_SETTINGS)
     if rtol is not None:
         _SETTINGS.rtol = float(rtol)
     if max_iter is not None:
@@ -82,13 +82,7 @@ def solve_settings(rtol: float | None = None, max_iter: int | None = None) -> It
         _SETTINGS.rtol, _SETTINGS.max_iter = old.rtol, old.max_iter
 
 
-def _rtol(dtype: torch.dtype) -> float:
-    if _SETTINGS.rtol is not None:
-        return _SETTINGS.rtol
-    return 1e-12 if dtype == torch.float64 else 1e-6
-
-
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class SolveRecord:
     """One triangular solve: the transform class, its dimension, the VJPs taken, the residual."""
 
@@ -169,7 +163,9 @@ def triangular_solve(
         for _ in range(depth - 1):
             gy = gy + (g - F(gy)) * inv_diag
         return gy
-    rtol = _rtol(g.dtype)
+    rtol = _SETTINGS.rtol
+    if rtol is None:
+        rtol = 1e-12 if g.dtype == torch.float64 else 1e-6
     floor = torch.finfo(g.dtype).eps ** 0.5
     limit = _SETTINGS.max_iter or n + slack
     tiny = torch.finfo(g.dtype).tiny
