@@ -8,10 +8,9 @@ fixed and :math:`d = (z - \mu) / \sigma`,
     \frac{\partial}{\partial \mu} \log q(\bot(z); \mu, \sigma) = \frac{d}{\sigma}, \qquad
     \frac{\partial}{\partial \sigma} \log q(\bot(z); \mu, \sigma) = \frac{d^2 - 1}{\sigma}.
 
-Both have mean zero under :math:`q` for any :math:`\mu, \sigma`. An ELBO's gradient at the
-tensors :math:`\mu, \sigma` that a guide site's ``Normal`` holds is the pathwise part plus
-these (times the site's scale and mask), so one backward that sees the gradient at
-:math:`\mu, \sigma` gives both parts there, with no second pass.
+Both have mean zero under :math:`q`. An ELBO's gradient at a guide ``Normal``'s
+:math:`\mu, \sigma` is the pathwise part plus these (times the site's scale and mask), so one
+backward gives both parts there.
 """
 
 from __future__ import annotations
@@ -130,14 +129,11 @@ def normal_sites(trace) -> list[NormalSite] | str:
     r"""The guide sites whose score part is closed-form at their ``Normal``'s parameters, or
     the reason (naming the site) why a site is not one.
 
-    Qualifies a guide trace whose latent sites are each: a reparameterized site marked
-    ``infer={"stl": False}`` (no score part taken); a ``Delta`` whose density and value reach
-    the parameters only through earlier samples (no score part of its own); or a ``Normal``
-    (:func:`normal_pushforward`: also pushed forward by parameter-free elementwise bijections,
-    as ``LogNormal``) whose ``loc`` and ``scale`` read no earlier sample and come from no
-    matrix product (not amortized), drawn by that ``Normal`` (its value carries the
-    parameters' graph), outside any subsampled plate. Its score part is then
-    :func:`normal_score` at :math:`u = T^{-1}(z)`, the ``Normal``'s own draw.
+    Qualifies a guide trace whose latent sites are each: marked ``infer={"stl": False}``; a
+    ``Delta`` reaching the parameters only through earlier samples; or a
+    :func:`normal_pushforward` whose ``loc`` and ``scale`` read no earlier sample and come
+    from no matrix product (not amortized), drawn by that ``Normal``, outside any subsampled
+    plate. Its score part is then :func:`normal_score` at :math:`u = T^{-1}(z)`.
 
     Example::
 

@@ -72,7 +72,8 @@ class _Item(NamedTuple):
     v: torch.Tensor  # the detached leaf at which the density was evaluated
     lp: torch.Tensor  # the evaluated tensor (graph to params, upstream, v)
     ups: tuple[int, ...]  # indices into the node's upstream list
-    g: torch.Tensor | None = None  # flows: d lp / d target carried forward (v is None, no VJP)
+    g: torch.Tensor | None  # flows: d lp / d target carried forward (v is None, no VJP)
+    slot: int  # the target's index in the node's targets
 
 
 class _Pathwise(torch.autograd.Function):
@@ -104,9 +105,8 @@ class _Pathwise(torch.autograd.Function):
                 "fn.log_prob(value) itself, support higher derivatives; the package's "
                 "Trace_ELBO (which does not split) does too."
             )
-        items, ups, targets, target_index, cut = ctx.meta
-        g_full = grads[0::2]
-        g_path = grads[1::2]
+        items, ups, targets, cut = ctx.meta
+        g_full, g_path = grads[0::2], grads[1::2]
         g_targets: list = [None] * len(targets)
         g_ups: list = [None] * len(ups)
         # one product when no item that reads upstream samples has a full seed (STL): the
@@ -118,8 +118,8 @@ class _Pathwise(torch.autograd.Function):
             in_v = False
             if it.g is not None:  # a flow: the full seed is lp's own graph; no VJP
                 if g_path[i] is not None:
-                    k = target_index[i]
-                    g_targets[k] = _add(g_targets[k], _times(g_path[i], it.g, it.target))
+                    g = _times(g_path[i], it.g, it.target)
+                    g_targets[it.slot] = _add(g_targets[it.slot], g)
             else:
                 s = _add(g_full[i], g_path[i])
                 if s is not None and it.v.requires_grad:
@@ -128,7 +128,7 @@ class _Pathwise(torch.autograd.Function):
                     v_seeds.append(s)
                     if not any(w is it.v for w in vs):
                         vs.append(it.v)
-                        slots.append(target_index[i])
+                        slots.append(it.slot)
             if it.ups and g_path[i] is not None:
                 wanted.update(dict.fromkeys(it.ups))
                 if not (merged and in_v):
@@ -382,19 +382,13 @@ def split_log_prob(
     where :math:`\bot` is stop-gradient. All three have equal values; the
     gradients of ``score`` and ``pathwise`` add up to that of ``log_prob``.
 
-    Works for any :class:`torch.distributions.Distribution` (plain families,
-    ``Independent``/``.to_event``, ``expand``, ``mask``, ``MultivariateNormal``,
-    ``LowRankMultivariateNormal``, ``TransformedDistribution`` including flows
-    whose transforms hold ``nn.Module`` parameters). ``value`` may broadcast
-    against ``fn.batch_shape``.
+    Works for any :class:`torch.distributions.Distribution` (flows included); ``value``
+    may broadcast against ``fn.batch_shape``.
 
-    ``upstream``: tensors that ``fn``'s parameters may have been computed from and
-    whose path the pathwise part must keep, typically the samples of earlier sites
-    of a conditional guide ``q(z_2 | z_1)``. Then
-    ``pathwise = log q(z_2 | z_1; stop(phi))`` sends gradients to ``z_2`` *and* to
-    ``z_1`` (only the direct dependence on ``phi`` is stopped), while ``score`` stays
-    ``log q(stop(z_2) | z_1; phi)`` (fn's whole graph, as Pyro's score-function terms
-    use it); the upstream path then appears in both, so with ``upstream`` the two no
+    ``upstream``: tensors that ``fn``'s parameters may have been computed from, typically
+    the samples of earlier sites of a conditional guide ``q(z_2 | z_1)``. Then
+    ``pathwise = log q(z_2 | z_1; stop(phi))`` sends gradients to ``z_2`` *and* to ``z_1``,
+    while ``score`` stays ``log q(stop(z_2) | z_1; phi)`` (fn's whole graph), so the two no
     longer add up to ``log_prob``'s gradient. Candidates that ``fn``'s graph does not
     reach are ignored; candidates that depend on each other raise ``ValueError``.
 
@@ -466,7 +460,6 @@ def split_score_parts(items, on_error=None, cut: bool = False, names=None):
     pending: list = []  # (item index, parts, part name -> first name holding it, score)
     node_items: list[_Item] = []
     targets: list[torch.Tensor] = []
-    target_index: list[int] = []
     ups_list: list[torch.Tensor] = []
     ups_index: dict[int, int] = {}  # id(upstream tensor) -> its index in ups_list
     for i, (fn, value, upstream, preimage) in enumerate(items):
@@ -520,8 +513,8 @@ def split_score_parts(items, on_error=None, cut: bool = False, names=None):
         targets.append(target)
         for name, first in distinct.items():
             if first == name:
-                node_items.append(_Item(target, v, getattr(parts, name), tuple(ups_here), g_flow))
-                target_index.append(len(targets) - 1)
+                lp = getattr(parts, name)
+                node_items.append(_Item(target, v, lp, tuple(ups_here), g_flow, len(targets) - 1))
         pending.append((i, parts, distinct, score))
     if not node_items:
         return results
@@ -536,7 +529,7 @@ def split_score_parts(items, on_error=None, cut: bool = False, names=None):
     ]
     ups_list = [strip(u) for u in ups_list]
     targets = [strip(t) for t in targets]
-    meta = (node_items, ups_list, targets, target_index, cut)
+    meta = (node_items, ups_list, targets, cut)
     outs = _Pathwise.apply(meta, *ups_list, *(it.lp for it in node_items), *targets)
     outs = [track_provenance(t, provenance[n // 2]) for n, t in enumerate(outs)]
     n = 0

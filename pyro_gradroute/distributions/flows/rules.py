@@ -229,11 +229,9 @@ def _sylvester(layer, g):
 def mlp_vjp(x: torch.Tensor, weights: list, biases: list, f, skip=None, out: bool = True):
     r"""``(out, vjp)`` of the network ``out = W_n f(\dots f(W_1 x + b_1) \dots) + b_n`` (``+ S x``).
 
-    One forward run without autograd keeps the activations' derivatives; ``vjp(s)`` is then
-    :math:`\partial \langle s, \text{out} \rangle / \partial x` as plain matmuls, with no
-    autograd call (the network's parameters are held fixed). ``f`` acts elementwise
-    (ReLU in closed form, any other through one small autograd call). ``out=False``: the
-    last layer is not run (``out`` is None).
+    ``vjp(s)`` is :math:`\partial \langle s, \text{out} \rangle / \partial x` with the
+    parameters held fixed, as plain matmuls over the activations' derivatives kept by one
+    forward run. ``out=False``: the last layer is not run (``out`` is None).
 
     Example::
 
