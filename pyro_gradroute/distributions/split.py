@@ -494,8 +494,10 @@ def split_score_parts(items, on_error=None, cut: bool = False, names=None):
             t = getattr(parts, name)
             if torch.is_tensor(t) and t.requires_grad and grad_mode:
                 distinct[name] = next((n for n in distinct if getattr(parts, n) is t), name)
+        if not distinct:  # nothing to differentiate: the evaluation is the split
+            continue
         ups_here: list[int] = []
-        if distinct and upstream:
+        if upstream:
             if cut:
                 hit = range(len(upstream))
             else:
@@ -508,7 +510,7 @@ def split_score_parts(items, on_error=None, cut: bool = False, names=None):
                     ups_list.append(upstream[j])
                 ups_here.append(k)
         value_path = target.requires_grad if g_flow is not None else v.requires_grad
-        if not distinct or not (value_path or ups_here):  # the evaluation is the split
+        if not (value_path or ups_here):
             continue
         targets.append(target)
         for name, first in distinct.items():
