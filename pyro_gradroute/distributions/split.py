@@ -26,6 +26,7 @@ import torch
 from pyro.distributions import Independent as PyroIndependent
 from pyro.distributions.score_parts import ScoreParts
 from pyro.distributions.torch_distribution import TorchDistributionMixin
+from pyro.distributions.util import scale_and_mask
 from pyro.ops.provenance import detach_provenance, get_provenance, track_provenance
 from torch.distributions import Distribution, Independent, TransformedDistribution
 from torch.distributions.transforms import ComposeTransform, IndependentTransform
@@ -35,12 +36,7 @@ from ..routing import reached
 from . import flows
 from .flows.path import evaluate, log_prob_along
 
-__all__ = [
-    "SplitLogProb",
-    "SplitNotSupported",
-    "split_log_prob",
-    "split_log_probs",
-]
+__all__ = ["SplitLogProb", "SplitNotSupported", "split_log_prob", "split_log_probs"]
 
 
 class SplitLogProb(NamedTuple):
@@ -57,8 +53,6 @@ class SplitLogProb(NamedTuple):
 
     def scale_and_mask(self, scale=1.0, mask=None) -> SplitLogProb:
         """Apply Pyro's ``scale_and_mask`` to all three parts."""
-        from pyro.distributions.util import scale_and_mask
-
         return SplitLogProb(*(scale_and_mask(t, scale, mask) for t in self))
 
 
@@ -226,12 +220,8 @@ def _score_parts(fn: Distribution, value: torch.Tensor) -> ScoreParts:
 
 
 def flatten_transformed(fn: Distribution) -> Distribution:
-    """``TD(TD(base, [t1]), [t2])`` as the equal ``TD(base, [t1, t2])`` (any depth); else ``fn``.
-
-    Flat, the split sees the whole path from the base sample. An inner one that the outer
-    one reinterprets (``Independent``) is flattened with ``IndependentTransform``; one that
-    is expanded, or with its own ``score_parts``, is kept as it is.
-    """
+    """``TD(TD(base, [t1]), [t2])`` as the equal ``TD(base, [t1, t2])`` (any depth, through
+    ``Independent`` as ``IndependentTransform``); else ``fn``."""
     if not isinstance(fn, TransformedDistribution) or not _default_score_parts(fn):
         return fn
     base, n = fn.base_dist, 0
@@ -300,11 +290,8 @@ def _leaf(t: torch.Tensor, grad_mode: bool) -> torch.Tensor:
 
 
 def _evaluate(fn: Distribution, value: torch.Tensor, preimage, grad_mode: bool):
-    """``(target, v, ScoreParts at v, flow)``: one evaluation of ``fn``'s score parts at a detached copy.
-
-    ``flow`` is ``None``, or for a flow evaluated forward along its path ``(g, score)``:
-    the forward-carried gradient at the target and the score part (``v`` is then None).
-    """
+    """``(target, v, ScoreParts at v, flow)``: one evaluation of ``fn``'s score parts at a detached
+    copy; ``flow``: ``(g, score)`` of a flow evaluated along its path (``v`` is then None)."""
     fn = flatten_transformed(fn)
     if preimage is None and _flow_candidate(fn):
         preimage = flows.cached_path(fn, value)

@@ -1,11 +1,5 @@
-r"""The forward path of a flow sample, and the view of one layer that a rule gets.
-
-:class:`FlowPath` records :math:`x_0 \to x_1 \to \dots \to x_n = y` as the sample is
-drawn (:func:`forward_path`) or recovers it from the transforms' caches
-(:func:`cached_path`); :meth:`FlowPath.target_grad` carries
-:math:`g_{x_0} = \nabla_{x_0} \log q_0(x_0)` through the rules of
-:mod:`~pyro_gradroute.distributions.flows`, one :class:`FlowLayer` at a time.
-"""
+r"""The forward path of a flow sample (:class:`FlowPath`: drawn, or recovered from the
+transforms' caches), and the view of one layer that a rule gets (:class:`FlowLayer`)."""
 
 from __future__ import annotations
 
@@ -197,11 +191,8 @@ class FlowPath:
         return lp
 
     def base_grad(self) -> torch.Tensor:
-        r""":math:`\nabla_{x_0} \log q_0(x_0)` with the parameters held fixed.
-
-        In closed form for a ``Normal`` base (also under ``Independent``),
-        :math:`(\mu - x_0) / \sigma^2`; through autograd for any other.
-        """
+        r""":math:`\nabla_{x_0} \log q_0(x_0)`, parameters held fixed (closed form for a
+        ``Normal`` base, :func:`normal_base_grad`; through autograd for any other)."""
         x0 = self.xs[0]
         g = normal_base_grad(self.fn.base_dist, x0.detach())
         if g is not None:
@@ -273,11 +264,8 @@ def _holds_params(obj, seen: set, cache: bool) -> bool:
 
 
 def holds_params(t, cache: bool = False) -> bool:
-    """Whether a transform holds parameters, or tensors computed from them (conditioned flows).
-
-    Torch's cache of its last call is no parameter (a parameter-free transform whose cache
-    holds a draw computed from parameters holds none); ``cache=True`` counts it.
-    """
+    """Whether a transform holds parameters, or tensors computed from them (conditioned flows);
+    its cache of its last call counts only with ``cache=True``."""
     return _holds_params(t, set(), cache)
 
 
@@ -306,11 +294,8 @@ class _Anchor(torch.autograd.Function):
 
 
 def forward_path(fn: TransformedDistribution, sample_shape=_EMPTY) -> FlowPath:
-    """``fn.rsample(sample_shape)``, recording the path (the same operations).
-
-    A base sample that does not require grad is passed through an identity node whose
-    output does, so that the first layer's VJPs can run through the sampling graph.
-    """
+    """``fn.rsample(sample_shape)``, recording the path (the same operations); a base sample
+    without a graph passes an identity node (:class:`_Anchor`) for the first layer's VJPs."""
     x = fn.base_dist.rsample(sample_shape)
     if not x.requires_grad and torch.is_grad_enabled():
         x = _Anchor.apply(x, x.new_zeros(()).requires_grad_())
