@@ -83,12 +83,8 @@ class _Pathwise(torch.autograd.Function):
     def forward(ctx, meta, *tensors):  # type: ignore[override]
         ctx.meta = meta
         ctx.set_materialize_grads(False)
-        m, n_ups = len(meta[0]), len(meta[1])
-        outs = []
-        for lp in tensors[n_ups : n_ups + m]:
-            d = lp.detach()
-            outs += [d.clone(), d.clone()]
-        return tuple(outs)
+        lps = tensors[len(meta[1]) : len(meta[1]) + len(meta[0])]
+        return tuple(t for lp in lps for t in (lp.detach().clone(), lp.detach().clone()))
 
     @staticmethod
     def backward(ctx, *grads):  # type: ignore[override]
@@ -160,16 +156,12 @@ def _cut_at(ups, cut: bool):
     """While the upstream product is taken, drop the gradient arriving at each upstream
     sample's autograd node (a backward pre-hook), so each gets its partial derivative."""
     nodes = {u.grad_fn for u in ups if u.grad_fn is not None} if cut else ()
-    handles = [n.register_prehook(_drop) for n in nodes]
+    handles = [n.register_prehook(lambda grads: (None,) * len(grads)) for n in nodes]
     try:
         yield
     finally:
         for h in handles:
             h.remove()
-
-
-def _drop(grads):
-    return (None,) * len(grads)
 
 
 def _times(h: torch.Tensor, g: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -247,20 +239,15 @@ def preimage_rsample(fn: Distribution, sample_shape=()):
     """
     sample_shape = torch.Size(sample_shape)
     fn = flatten_transformed(fn)
-    if (
-        isinstance(fn, TransformedDistribution)
-        and _default_score_parts(fn)
-        and _default_score_parts(fn.base_dist)
-    ):
-        if all(not flows.holds_params(t) and _cached(t) for t in fn.transforms):
-            x = fn.base_dist.rsample(sample_shape)
-            y = x
-            for t in fn.transforms:
-                y = t(y)
-            return y, x
-        if fn.has_rsample and flows.supported(fn):
-            path = flows.forward_path(fn, sample_shape)
-            return path.value, path
+    if _flow_candidate(fn):
+        path = flows.forward_path(fn, sample_shape)
+        return path.value, path
+    if _transformed(fn) and all(not flows.holds_params(t) and _cached(t) for t in fn.transforms):
+        x = fn.base_dist.rsample(sample_shape)
+        y = x
+        for t in fn.transforms:
+            y = t(y)
+        return y, x
     return fn.rsample(sample_shape), None
 
 
@@ -344,15 +331,19 @@ def _sampled_score_parts(fn: Distribution, v: torch.Tensor, raw: torch.Tensor) -
 
 
 def _flow_candidate(fn) -> bool:
-    """A flow (parametrized transforms) whose transforms' caches may hold a sample's path."""
+    """A flow (parametrized transforms, each up to the last with a rule) drawn by ``rsample``."""
     return (
-        isinstance(fn, TransformedDistribution)
+        _transformed(fn)
         and fn.has_rsample
-        and _default_score_parts(fn)
-        and _default_score_parts(fn.base_dist)
         and any(flows.holds_params(t) for t in fn.transforms)
         and flows.supported(fn)
     )
+
+
+def _transformed(fn) -> bool:
+    """A ``TransformedDistribution`` with Pyro's default score parts, over a base with them."""
+    td = isinstance(fn, TransformedDistribution)
+    return td and _default_score_parts(fn) and _default_score_parts(fn.base_dist)
 
 
 def split_log_prob(

@@ -40,6 +40,7 @@ from .._compat import (
 from .detached import delta_base
 
 __all__ = ["StructuredNotSupported", "calling_structured_guide", "structured_pathwise"]
+_DENSE_METHODS = ("_transform_values", "_sample_aux_values", "_dense_unflatten", "_dense_flatten")
 
 
 class StructuredNotSupported(ValueError):
@@ -119,19 +120,13 @@ def structured_pathwise(guide, records: dict) -> dict:
             raise _override(guide, "get_deltas")
         return _autostructured(guide, records)
     if isinstance(guide, AutoGaussian):
-        name = next(
-            iter(n for n, s in autogaussian_factors(guide).items() if not s["is_observed"]), "?"
-        )
+        latent = (n for n, s in autogaussian_factors(guide).items() if not s["is_observed"])
+        name = next(latent, "?")
         if not isinstance(guide, AutoGaussianDense):
             why = f"{type(guide).__name__} (AutoGaussian with a backend other than 'dense') "
             use = "AutoGaussian(model, backend='dense') (or AutoMultivariateNormal), or " + _TRACE
             raise _refuse(name, why + "draws its auxiliary values by its own sampler", use)
-        for meth in (
-            "_transform_values",
-            "_sample_aux_values",
-            "_dense_unflatten",
-            "_dense_flatten",
-        ):
+        for meth in _DENSE_METHODS:
             if getattr(type(guide), meth) is not getattr(AutoGaussianDense, meth):
                 raise _override(guide, meth)
         try:
