@@ -185,12 +185,9 @@ def _check_independent(ups: list[torch.Tensor]) -> None:
         if below:
             raise ValueError(
                 "split_log_probs: an upstream tensor depends on another one (shape "
-                f"{tuple(u.shape)} is computed from shape {tuple(below[0].shape)}), so the "
-                "pathwise product with respect to both would count the path through the "
-                "later one twice. Pass only the samples the distribution reads directly and "
-                "that are not computed from each other, or use the package's ELBOs or "
-                "pyro_gradroute.poutine.stick_the_landing, which stop the gradient below each "
-                "sample while that product is taken."
+                f"{tuple(u.shape)} is computed from shape {tuple(below[0].shape)}): the product "
+                "would count that path twice. Pass samples not computed from each other, or use "
+                "the package's ELBOs or poutine.stick_the_landing (exact at any depth)."
             )
 
 

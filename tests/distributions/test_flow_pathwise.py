@@ -53,6 +53,10 @@ FLOWS = {
     "affine": lambda: [
         AffineTransform(torch.randn(D).requires_grad_(), (torch.rand(D) + 0.5).requires_grad_())
     ],
+    "exp_affine": lambda: [  # the elementwise rule for Exp, then a parametrized transform
+        T.ExpTransform(),
+        AffineTransform(torch.randn(D).requires_grad_(), (torch.rand(D) + 0.5).requires_grad_()),
+    ],
     "spline": lambda: [T.spline(D, count_bins=6)],
     "affine_coupling": lambda: [T.affine_coupling(D)],
     "spline_coupling": lambda: [T.spline_coupling(D)],

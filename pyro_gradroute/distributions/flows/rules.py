@@ -120,12 +120,8 @@ def _affine(layer, g):
     return g / (s.detach() if torch.is_tensor(s) else s)
 
 
-@register_flow_rule(TT.ExpTransform, rule="diagonal: (g - 1) / y", cost="O(D)")
-def _exp(layer, g):
-    return (g - 1) / layer.y
-
-
 @register_flow_rule(
+    TT.ExpTransform,
     TT.SigmoidTransform,
     TT.TanhTransform,
     TT.SoftplusTransform,
