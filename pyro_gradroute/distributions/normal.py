@@ -102,11 +102,8 @@ def normal_score(
     inv = sigma.detach().reciprocal()
     d = (value.detach() - loc.detach()) * inv
     g_loc = d * inv
-    out = []
-    if sigma.requires_grad:
-        out.append(("scale", sigma, d * g_loc - inv))  # (d^2 - 1) / sigma
-    if loc.requires_grad:
-        out.insert(0, ("loc", loc, g_loc))
+    grads = (("loc", loc, g_loc), ("scale", sigma, d * g_loc - inv))  # (d^2 - 1) / sigma
+    out = [(k, t, g) for k, t, g in grads if t.requires_grad]
     if not (mask is None and isinstance(scale, float) and scale == 1.0):
         lead = d.shape[: d.dim() - event_ndims] if event_ndims else d.shape
         w = scale_and_mask(d.new_ones(lead), scale, mask)

@@ -1,19 +1,12 @@
 r"""One-evaluation score/pathwise split of a log-density.
 
-For a reparameterized sample ``z = g(eps; phi)`` of ``q(.; phi)``::
-
-    d/dphi log q(g(eps; phi); phi) =  d/dphi log q(z; phi)|_z          (score part)
-                                    + grad_z log q(z; phi) . dz/dphi    (pathwise part)
-
-:func:`split_log_prob` evaluates the log-density once, at a detached copy ``v`` of the
-sample: that graph is the score part; the ordinary and pathwise parts are outputs of one
-node (:class:`_Pathwise`) whose backward takes ``d log q / d v`` through the same graph and
-sends it to the sample (and, for a conditional ``q(z_2 | z_1)``, the partials to the
-upstream samples, with the gradient stopped below each one while that product is taken).
-Flows are evaluated forward along the sample's path (:mod:`.flows`), parameter-free
-pushforwards at their cached pre-image, straight-through samples at their relaxed value,
-families with their own ``score_parts`` through that hook. The log-density and pathwise
-parts are first-order only. ``docs/split.md`` tells the exactness and the families.
+The log-density is evaluated once, at a detached copy ``v`` of the sample: that graph is the
+score part; the ordinary and pathwise parts are outputs of one node (:class:`_Pathwise`)
+whose backward takes ``d log q / d v`` through the same graph and sends it to the sample (and,
+for a conditional ``q(z_2 | z_1)``, the partials to the upstream samples, the gradient
+stopped below each one while that product is taken). Flows are evaluated along the sample's
+path (:mod:`.flows`), parameter-free pushforwards at their pre-image, straight-through samples
+at their relaxed value. ``docs/split.md`` tells the exactness and the families.
 """
 
 from __future__ import annotations
@@ -312,19 +305,15 @@ def _sampled_score_parts(fn: Distribution, v: torch.Tensor, raw: torch.Tensor) -
             "itself, so its parts cannot be split"
         ) from e
     lp = fn.log_prob(v)
-    out = []
     for part in (at_raw.log_prob, at_raw.entropy_term):
-        if torch.is_tensor(part):
-            if part.shape != lp.shape or not torch.equal(part.detach(), lp.detach()):
-                raise SplitNotSupported(
-                    f"{name}.score_parts accepts only the tensor its sampler returned and its "
-                    "log_prob (or entropy_term) is not the family's log_prob there, so it cannot "
-                    "be evaluated at a fixed copy of the sample"
-                )
-            out.append(lp)
-        else:
-            out.append(part)
-    return ScoreParts(out[0], at_raw.score_function, out[1])
+        if torch.is_tensor(part) and not (part.shape == lp.shape and torch.equal(part, lp)):
+            raise SplitNotSupported(
+                f"{name}.score_parts accepts only the tensor its sampler returned and its "
+                "log_prob (or entropy_term) is not the family's log_prob there, so it cannot "
+                "be evaluated at a fixed copy of the sample"
+            )
+    at_v = [lp if torch.is_tensor(p) else p for p in (at_raw.log_prob, at_raw.entropy_term)]
+    return ScoreParts(at_v[0], at_raw.score_function, at_v[1])
 
 
 def _flow_candidate(fn) -> bool:
@@ -423,12 +412,11 @@ def _check_upstream(upstream) -> None:
 def split_score_parts(items, on_error=None, cut: bool = False, names=None):
     """The split of each item's ``score_parts``: a list of ``(full, pathwise, score)``.
 
-    ``items``: ``(fn, value, upstream, preimage)``. ``full`` and ``pathwise`` are
-    :class:`~pyro.distributions.score_parts.ScoreParts` carrying the full, respectively the
-    pathwise, gradient; ``score`` is the evaluated ``log_prob``. ``on_error(i, exc)`` returns
-    ``None`` (re-raise) or a triple to use for item ``i``. ``cut``: the upstream tensors are
-    the samples each item reads (not searched for again), possibly computed from each other;
-    the upstream product stops the gradient below each. ``names``: the items' site names.
+    ``items``: ``(fn, value, upstream, preimage)``; ``full`` / ``pathwise``: ``ScoreParts``
+    with the full / pathwise gradient; ``score``: the evaluated ``log_prob``. ``on_error(i,
+    exc)``: ``None`` (re-raise) or a triple for item ``i``. ``cut``: the upstream tensors are
+    the samples each item reads, possibly computed from each other (the product stops the
+    gradient below each). ``names``: the items' site names.
     """
     grad_mode = torch.is_grad_enabled()
     results: list = [None] * len(items)
