@@ -45,34 +45,25 @@ def normal_pushforward(fn) -> tuple[Normal | None, int, list]:
         ('Normal', 1, ['ExpTransform'])
     """
     n, transforms = 0, []
-    while True:
+    while isinstance(fn, (Independent, TransformedDistribution)):
         if isinstance(fn, Independent):
             n += fn.reinterpreted_batch_ndims
-            fn = fn.base_dist
-        elif (
-            isinstance(fn, TransformedDistribution)
-            and type(fn).log_prob is TransformedDistribution.log_prob
-        ):
+        else:  # parameter-free, elementwise bijections only
             parts = _flatten(fn.transforms)
-            for t in parts:
-                if not (
-                    t.bijective
-                    and t.domain.event_dim == 0
-                    and t.codomain.event_dim == 0
-                    and not any(torch.is_tensor(v) and v.requires_grad for v in vars(t).values())
-                ):
-                    return None, 0, []
+            if type(fn).log_prob is not TransformedDistribution.log_prob or not all(
+                t.bijective
+                and t.domain.event_dim == t.codomain.event_dim == 0
+                and not any(torch.is_tensor(v) and v.requires_grad for v in vars(t).values())
+                for t in parts
+            ):
+                return None, 0, []
             transforms = parts + transforms
-            fn = fn.base_dist
-        elif (
-            isinstance(fn, Normal)
-            and type(fn).log_prob is Normal.log_prob
-            and type(fn).rsample is Normal.rsample
-            and type(fn).sample is Normal.sample
-        ):
-            return fn, n, transforms
-        else:
-            return None, 0, []
+        fn = fn.base_dist
+    cls = type(fn)
+    torch_normal = cls.log_prob is Normal.log_prob and cls.rsample is Normal.rsample
+    if isinstance(fn, Normal) and torch_normal and cls.sample is Normal.sample:
+        return fn, n, transforms
+    return None, 0, []
 
 
 def normal_score(

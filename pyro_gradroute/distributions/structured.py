@@ -201,17 +201,14 @@ def _autostructured(g, records: dict) -> dict:
             hat[name] = r
             out[name] = (None, True)
             continue
-        a_hat = flat - loc.detach()
-        hat[name] = a_hat
-        r = a_hat
+        r = hat[name] = flat - loc.detach()
         for up in ups:
             r = r - _stopped_call(name, up, attrgetter(up)(deps), hat[up])
         r = r / scale0
         if cond == "mvn":
             r = torch.linalg.solve_triangular(tril0, r.unsqueeze(-1), upper=False).squeeze(-1)
         _check_close(name + "_aux", "auxiliary draw", r, eps, scale=1.0 + eps.abs().max().item())
-        aux_full = aux.parts[0].log_prob
-        out[name + "_aux"] = (_live(aux_full, aux.fn.log_prob(r)), False)
+        out[name + "_aux"] = (_live(aux.parts[0].log_prob, aux.fn.log_prob(r)), False)
         ld = ld0.reshape(batch_shape + (-1,)).sum(-1)
         ld = ld + transform.inv.log_abs_det_jacobian(value, u)
         out[name] = _delta_part(name, rec, ld)

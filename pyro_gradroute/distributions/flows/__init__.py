@@ -11,15 +11,12 @@ fixed. Instead of running :math:`T^{-1}`, it is carried *forward* with the sampl
     g_{x_{i+1}} = J_{T_i}(x_i)^{-T}\,\big(g_{x_i} - \nabla_{x_i} \log|\det J_{T_i}(x_i)|\big),
     \qquad g_{x_0} = \nabla_{x_0} \log q_0(x_0).
 
-Each transform class has a *rule* applying that update (:func:`register_flow_rule`;
-:data:`RULES_TABLE` lists the built-in ones): closed forms for diagonal, orthogonal and
-low-rank Jacobians, one vector-Jacobian product (VJP) through a coupling conditioner, and
-for triangular Jacobians (autoregressive layers) the fixed-point iteration
+Each transform class has a *rule* applying that update (:func:`register_flow_rule`,
+:data:`RULES_TABLE`); triangular Jacobians take the fixed-point iteration
 :math:`g \leftarrow g + \operatorname{diag}(J)^{-1}(u - J^T g)`, exact after at most
 :math:`D` iterations (:func:`solve_settings`, :class:`FlowSolveError`). Trailing
-parameter-free transforms need no rule: the gradient is sent to the output of the last
-parametrized one (:class:`FlowPath`). A transform with no rule makes the split fall back to
-the inverse. ``docs/split.md`` has the table and the costs.
+parameter-free transforms need no rule (:class:`FlowPath`); a transform with no rule makes
+the split fall back to the inverse. ``docs/split.md`` has the table and the costs.
 
 Example (Planar layers have no inverse; the gradient is carried forward)::
 
