@@ -10,6 +10,7 @@ from pyro.poutine import Trace
 
 from .. import routing
 from .._compat import set_unquantized, unquantized
+from .._validation import check_float, check_int
 from ..distributions.detached import is_delta
 from ..poutine.pathwise import DeltaDensityError
 from ..poutine.stick_the_landing_messenger import PathwiseDistribution, StickTheLandingMessenger
@@ -20,12 +21,8 @@ from .traces import PATHWISE, get_split_importance_trace, refuse_model_enumerati
 
 
 def _gate(guide_trace: Trace) -> Trace:
-    """The trace whose values the model replays: each differentiable value read through a view.
-
-    The view's autograd node is where the factor of the value's gradient is applied once
-    the importance weights are known (:func:`_scale_gradient`); the guide's own uses of
-    the value (a conditional site, its log-density) do not pass through it.
-    """
+    """The trace whose values the model replays: each differentiable value read through a view,
+    whose node :func:`_scale_gradient` hooks (the guide's own uses of the value bypass it)."""
     trace = guide_trace.copy()
     for name, site in guide_trace.nodes.items():
         value = site.get("value")
@@ -152,22 +149,16 @@ class TraceDReG_ELBO(RoutedELBO):
     A path that reaches a parameter through no random draw (the value of an ``AutoDelta``
     site) has no score part: it keeps the factor :math:`\tilde w_k`.
 
-    **How.** One model pass, one guide pass and one backward for all particles. Model
-    terms are weighted :math:`\bot(\tilde w_k)`; the model reads each guide value through a
-    node that multiplies its gradient by the value's factor
-    :math:`1 - c\beta + c\beta\tilde w_k` (1 for a parameter-only Delta value); guide
-    terms are the pathwise parts of :func:`~pyro_gradroute.distributions.split_log_prob`
-    (parameters stopped; for a conditional guide :math:`q(z_2 \mid z_1)` the path
-    through :math:`z_1` is kept at any depth) weighted by :math:`\tilde w_k` times that
-    factor. With ``num_particles=1`` the gradient is :class:`TraceSTL_ELBO`'s.
+    One model pass, one guide pass and one backward for all particles (the model reads each
+    guide value through a node that applies its factor; for a conditional guide the path
+    through earlier draws is kept at any depth). With ``num_particles=1`` the gradient is
+    :class:`TraceSTL_ELBO`'s.
 
-    **Subsampling.** Weights are per element of the plates that hold every site (a VAE's
-    data plate: one bound per data point). When such a plate is subsampled, its scale
-    :math:`N/b` is taken *out* of the log-mean-exp (per-point bounds from log-densities
-    without it, then multiplied by :math:`N/b`, as NumPyro's ``RenyiELBO`` does): the loss
-    is then an unbiased minibatch estimate of the full-data bound. Pyro's ``RenyiELBO``
-    keeps that scale inside the log-weights, which tempers the bound; without
-    subsampling the two are equal.
+    **Subsampling.** Weights are per element of the plates that hold every site (one bound per
+    data point of a VAE). A subsampled such plate's scale :math:`N/b` is taken *out* of the
+    log-mean-exp, as in NumPyro's ``RenyiELBO``: the loss is an unbiased minibatch estimate of
+    the full-data bound (Pyro's ``RenyiELBO`` keeps it inside, a tempered bound; without
+    subsampling the two are equal).
 
     **Not covered** (each raises a ``ValueError`` naming the site): a guide site without
     ``rsample`` whose density depends on parameters (auxiliary sites included), a
@@ -198,11 +189,9 @@ class TraceDReG_ELBO(RoutedELBO):
 
     :param num_particles: :math:`K`.
     :param vectorize_particles: draw the particles in one vectorized pass (default).
-        ``False`` draws them in a loop, as :class:`pyro.infer.RenyiELBO` does by default:
-        for a model that does not vectorize over particles (for instance one that applies
-        ``torch.nn.Linear`` to a sampled weight). The loop's loss and gradients are those of
-        the vectorized pass on the same draws; it costs ``num_particles`` model and guide
-        passes.
+        ``False`` draws them in a loop, as :class:`pyro.infer.RenyiELBO` does by default (a
+        model that does not vectorize over particles), with the vectorized pass's loss and
+        gradients on the same draws.
     :param alpha: the Renyi order (default 0: IWAE); ``alpha=1`` (the ELBO) is
         :class:`TraceSTL_ELBO`.
     """
@@ -214,27 +203,21 @@ class TraceDReG_ELBO(RoutedELBO):
         alpha: float = 0.0,
         **kwargs,
     ):
-        if alpha == 1:
+        where = type(self).__name__
+        num_particles = check_int(num_particles, "num_particles", where, minimum=1)
+        self.alpha = check_float(alpha, "alpha", where)
+        if self.alpha == 1:
             raise ValueError(
                 "TraceDReG_ELBO: alpha=1 is the ELBO itself (the Renyi bound's limit), for which "
                 "the doubly-reparameterized gradient is sticking the landing: use TraceSTL_ELBO."
             )
-        if not math.isfinite(float(alpha)):
-            raise ValueError(f"TraceDReG_ELBO: alpha must be a finite number, got {alpha}")
-        if isinstance(num_particles, bool) or not (
-            isinstance(num_particles, int) and num_particles >= 1
-        ):
-            raise ValueError(
-                f"{type(self).__name__}: num_particles must be an integer >= 1, got {num_particles!r}"
-            )
-        self.alpha = float(alpha)
         if (
             num_particles > 1
             and not vectorize_particles
             and type(self)._particle_terms is not TraceDReG_ELBO._particle_terms
         ):
             raise ValueError(
-                f"{type(self).__name__} draws its {num_particles} particles in one vectorized "
+                f"{where} draws its {num_particles} particles in one vectorized "
                 "pass only: use vectorize_particles=True, or TraceDReG_ELBO(num_particles=..., "
                 "vectorize_particles=False) for a model that does not vectorize over particles."
             )
@@ -244,7 +227,7 @@ class TraceDReG_ELBO(RoutedELBO):
         super().__init__(
             num_particles=num_particles, vectorize_particles=vectorize_particles, **kwargs
         )
-        self._handler = StickTheLandingMessenger(_policy=_EverySite(type(self).__name__))
+        self._handler = StickTheLandingMessenger(_policy=_EverySite(where))
 
     # the weightings that distinguish IWAE-DReG from RWS-DReG
     def _draw_factor(self, w: torch.Tensor, c) -> torch.Tensor:
