@@ -317,30 +317,25 @@ class TraceAdaptiveSTL_ELBO(_Adaptive, TraceSTL_ELBO):
         c = -\nabla_\phi \log q(\bot(z); \phi),
 
     with :math:`z = g(\epsilon; \phi)` and :math:`\bot` stop-gradient (for a conditional
-    guide every sample is held fixed in :math:`c`). :math:`\mathbb E[c] = 0` for every
-    :math:`\phi`, so with :math:`b` computed from earlier steps only,
-    :math:`\mathbb E[g(b) \mid \text{past}] = \nabla_\phi(-\text{ELBO})`: **every step is
-    unbiased**, whatever :math:`b` is. :math:`b = 1` is ``Trace_ELBO``, :math:`b = 0` STL, and
-    :math:`b^\star = -\operatorname{Cov}(p, c)/\operatorname{Var}(c)` has the smallest variance
-    of all. :math:`b` starts at 1 (the first step is ``Trace_ELBO``'s) and moves towards the
-    fitted :math:`\hat b` per element only as far as ``confidence`` standard errors allow
-    (:class:`~pyro_gradroute.infer.control_variate.ControlVariate`). With
-    :math:`|b - b^\star| \le |e^\star - b^\star|` the step's variance is at most the better
-    endpoint's :math:`e^\star`; this is a statistical statement (error :math:`s`, lagging when
-    :math:`b^\star` moves faster than the window ``decay``).
+    guide every sample is held fixed in :math:`c`). :math:`\mathbb E[c] = 0`, so with :math:`b`
+    from earlier steps only **every step is unbiased**, whatever :math:`b` is. :math:`b = 1` is
+    ``Trace_ELBO``, :math:`b = 0` STL, and :math:`b^\star = -\operatorname{Cov}(p,
+    c)/\operatorname{Var}(c)` has the smallest variance. :math:`b` starts at 1 (the first step is
+    ``Trace_ELBO``'s) and moves towards the fitted :math:`\hat b` per element only as far as
+    ``confidence`` standard errors allow
+    (:class:`~pyro_gradroute.infer.control_variate.ControlVariate`): with :math:`|b - b^\star|
+    \le |e^\star - b^\star|` the step's variance is at most the better endpoint's (a statistical
+    statement, lagging when :math:`b^\star` moves faster than the window ``decay``).
 
-    **Steps.** A *direct* step is one endpoint's estimator, at its cost: Pyro's
-    ``Trace_ELBO`` on ``guide``, or on ``stick_the_landing(guide)``. A *measured* step forms
-    both parts: in one backward where every guide site with a score part is a plain ``Normal``
-    (:func:`~pyro_gradroute.distributions.normal.normal_sites`; its score part is then
-    closed-form at the ``Normal``'s parameters, and the moments are kept per element of them,
-    named ``"<site>.loc"``, ``"<site>.scale"``), else with a second backward of the score parts.
-    :class:`~pyro_gradroute.infer.schedule.Schedule` picks the kind from earlier steps
-    (``mix_gain``, ``schedule``). ``differentiable_loss`` and distributed runs measure every
-    step. ``block_grad`` routes apply to both parts. A parameter of the last measured step that
-    changes shape or leaves the param store starts the estimator again at ``Trace_ELBO``. The
-    state survives ``pickle``, ``deepcopy``, ``torch.save`` and ``state_dict`` (each copy takes
-    the same next steps).
+    **Steps** (:class:`~pyro_gradroute.infer.schedule.Schedule`, from earlier steps). A *direct*
+    step is Pyro's ``Trace_ELBO`` on ``guide`` or on ``stick_the_landing(guide)``. A *measured*
+    step forms both parts: in one backward where every guide site with a score part is a plain
+    ``Normal`` (:func:`~pyro_gradroute.distributions.normal.normal_sites`; moments per element
+    of its parameters, named ``"<site>.loc"``, ``"<site>.scale"``), else with a second backward.
+    ``differentiable_loss`` and distributed runs measure every step. ``block_grad`` routes apply
+    to both parts. A parameter of the last measured step that changes shape or leaves the param
+    store starts again at ``Trace_ELBO``. The state survives ``pickle``, ``deepcopy``,
+    ``torch.save`` and ``state_dict`` (each copy takes the same next steps).
 
     Example::
 
@@ -376,10 +371,8 @@ class TraceAdaptiveSTL_ELBO(_Adaptive, TraceSTL_ELBO):
     :param mix_gain: ``None``: every step measures; a number :math:`\ge 1`: steps take the
         better endpoint directly while its predicted second moment is within ``mix_gain`` of
         the fitted mix's, and while the gate bounds any weights' gain below it; ``math.inf``:
-        never mix, a measured switch between the whole estimators (every step is
-        ``Trace_ELBO``'s or STL's on the same draws).
-    :param schedule: a :class:`~pyro_gradroute.infer.schedule.ScheduleConfig` (the schedule's
-        constants).
+        a measured switch between the whole estimators (never a mix).
+    :param schedule: a :class:`~pyro_gradroute.infer.schedule.ScheduleConfig`.
 
     Other arguments are :class:`pyro.infer.Trace_ELBO`'s.
     """
@@ -557,15 +550,12 @@ class TraceEnumAdaptiveSTL_ELBO(TraceAdaptiveSTL_ELBO):
     enumerated sites are summed out exactly, and the continuous guide's gradient is
     :math:`p + b \odot c` (unbiased for any :math:`b` from earlier steps).
 
-    Direct steps are ``TraceEnum_ELBO``'s on ``guide`` (:math:`b = 1`) or on
-    ``stick_the_landing(guide)`` (:math:`b = 0`); measured steps take one backward, so every
-    guide site with a score part must be a plain ``Normal``
-    (:func:`~pyro_gradroute.distributions.normal.normal_sites`: ``AutoNormal``,
-    ``AutoDiagonalNormal``, mean-field guides); another raises a ``ValueError`` naming the
-    site. ``loss`` is ``TraceEnum_ELBO``'s, and every method's value equals
-    ``TraceEnum_ELBO``'s on the same seed. ``differentiable_loss`` is the current endpoint's
-    ``TraceEnum_ELBO.differentiable_loss`` (it does not measure). ``block_grad`` routes,
-    vectorized particles and distributed runs raise, naming what to use.
+    Direct steps are ``TraceEnum_ELBO``'s on ``guide`` or ``stick_the_landing(guide)``;
+    measured steps take one backward, so every guide site with a score part must be a plain
+    ``Normal`` (``AutoNormal``, ``AutoDiagonalNormal``, mean-field guides; another raises a
+    ``ValueError`` naming the site). Every method's value equals ``TraceEnum_ELBO``'s on the
+    same seed; ``differentiable_loss`` is the current endpoint's (it does not measure).
+    ``block_grad`` routes, vectorized particles and distributed runs raise, naming what to use.
 
     Example::
 

@@ -13,7 +13,7 @@ from .._compat import set_unquantized, unquantized
 from .._validation import check_float, check_int
 from ..distributions.detached import is_delta
 from ..poutine.pathwise import DeltaDensityError
-from ..poutine.stick_the_landing_messenger import PathwiseDistribution, StickTheLandingMessenger
+from ..poutine.stick_the_landing_messenger import StickTheLandingMessenger
 from ..poutine.stl_policy import STLPolicy
 from ..routing import reaches_leaf_directly
 from .elbo import EXTRA, RoutedELBO, Terms, _joint_blocks, add_term, collect_blocks
@@ -87,10 +87,6 @@ def _inner_scale(site, outer: float):
     if mask is not None and mask is not True:
         c = c * (mask if torch.is_tensor(mask) else float(mask))
     return c
-
-
-def _base(fn):
-    return fn.base_dist if type(fn) is PathwiseDistribution else fn
 
 
 class _EverySite(STLPolicy):
@@ -298,25 +294,23 @@ class TraceDReG_ELBO(RoutedELBO):
         for name, site in guide_trace.nodes.items():
             if site["type"] != "sample" or site["is_observed"]:
                 continue
-            fn = _base(site["fn"])
+            fn = site["fn"]
             parts = site["score_parts"]
             if not getattr(fn, "has_rsample", False):
                 if torch.is_tensor(parts.log_prob) and parts.log_prob.requires_grad:
                     raise ValueError(
-                        f"Guide site '{name}' ({type(fn).__name__}) is not reparameterized: "
-                        "doubly-reparameterized gradients need a pathwise derivative through every "
-                        "guide sample that depends on parameters (auxiliary sites included). Use a "
-                        "family with rsample for this site, or pyro.infer.RenyiELBO(alpha=0) / "
-                        "pyro.infer.ReweightedWakeSleep."
+                        f"Guide site '{name}' ({type(fn).__name__}) is not reparameterized, and "
+                        "DReG needs a pathwise derivative through every guide sample that reads "
+                        "parameters (auxiliary sites included). Use a family with rsample, or "
+                        "pyro.infer.RenyiELBO(alpha=0) / pyro.infer.ReweightedWakeSleep."
                     )
                 continue
             sf = parts.score_function
             if torch.is_tensor(sf) and sf.requires_grad:
                 raise ValueError(
                     f"Guide site '{name}' ({type(fn).__name__}) has its own score-function term "
-                    "(e.g. a rejection sampler's acceptance correction), which the "
-                    "doubly-reparameterized identity does not cover. Use pyro.infer.RenyiELBO"
-                    "(alpha=0) for this guide, or a family with a plain rsample."
+                    "(a rejection sampler's), which DReG does not cover. Use "
+                    "pyro.infer.RenyiELBO(alpha=0), or a family with a plain rsample."
                 )
 
     def _site_factors(self, guide_sites, w, outer) -> dict:
@@ -327,9 +321,7 @@ class TraceDReG_ELBO(RoutedELBO):
         draws = {
             n
             for n, s in guide_sites.items()
-            if torch.is_tensor(s["value"])
-            and s["value"].requires_grad
-            and not is_delta(_base(s["fn"]))
+            if torch.is_tensor(s["value"]) and s["value"].requires_grad and not is_delta(s["fn"])
         }
         # a structured guide (AutoStructured, AutoGaussian): its Deltas and auxiliary draws
         # are one reparameterized draw of the joint q(z) (see distributions.structured)
@@ -340,30 +332,22 @@ class TraceDReG_ELBO(RoutedELBO):
                 raise ValueError(
                     f"{type(self).__name__}: guide site '{n}' belongs to "
                     f"{type(records[n].owner).__name__}, whose wake-phase (KL(p || q)) update "
-                    "is not supported by this estimator. Use TraceDReG_ELBO (the IWAE bound) or "
-                    "TraceSTL_ELBO with this guide."
+                    "is not supported. Use TraceDReG_ELBO or TraceSTL_ELBO with this guide."
                 )
             if records[n].point and self.num_particles > 1:
                 raise ValueError(
                     f"{type(self).__name__}: guide site '{n}' is an AutoStructured 'delta' "
-                    "conditional: its value depends both on parameters directly and on the "
-                    "guide's random draws (through its dependencies), whose "
-                    "doubly-reparameterized weights differ. Use the 'normal' or 'mvn' "
-                    "conditional for it, or pyro.infer.RenyiELBO(alpha=0) with this guide."
+                    "conditional, whose value reads parameters and random draws (paths whose "
+                    "DReG weights differ). Use its 'normal' or 'mvn' conditional, or "
+                    "pyro.infer.RenyiELBO(alpha=0)."
                 )
         draws |= {n for n in structured if not records[n].point}
-        factors: dict = {}
-        for n in draws:
-            factors[n] = self._draw_factor(w, c[n])
+        factors = {n: self._draw_factor(w, c[n]) for n in draws}
         uniform = all(_same(c[a], c[b]) for a in draws for b in draws)
         for n, site in guide_sites.items():
             rec = records.get(n)
-            if (
-                rec is None
-                or n in draws
-                or not torch.is_tensor(site["value"])
-                or not site["value"].requires_grad
-            ):
+            value = site["value"]
+            if rec is None or n in draws or not (torch.is_tensor(value) and value.requires_grad):
                 continue
             reached = [
                 by_value[id(rec.upstream[i])] for i in routing.reached(rec.value, rec.upstream)
@@ -371,10 +355,9 @@ class TraceDReG_ELBO(RoutedELBO):
             direct = reaches_leaf_directly(rec.value, rec.upstream)
             if reached and direct:
                 raise ValueError(
-                    f"{type(self).__name__}: guide site '{n}' is a Delta whose value depends both "
-                    f"on random draws ({reached}) and on guide parameters directly; the "
-                    "doubly-reparameterized weights differ along those paths and cannot be "
-                    "applied to the value. Use pyro.infer.RenyiELBO(alpha=0) with this guide."
+                    f"{type(self).__name__}: guide site '{n}' is a Delta whose value reads random "
+                    f"draws ({reached}) and guide parameters directly (paths whose DReG weights "
+                    "differ). Use pyro.infer.RenyiELBO(alpha=0) with this guide."
                 )
             if not reached:
                 factors[n] = self._param_factor(w)
