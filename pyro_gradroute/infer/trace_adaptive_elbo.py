@@ -232,10 +232,6 @@ class _Adaptive:
         step of the moments (call it once per step)."""
         return self._measure(model, guide, args, kwargs, differentiable=True)
 
-    def _cv_grads(self, item, params, blocks, seen, retain: bool) -> dict:
-        """``{param: c}`` of one trace pair (loss space)."""
-        raise NotImplementedError
-
     def _measure(self, model, guide, args, kwargs, differentiable: bool = False):
         r"""A step that forms both parts and applies :math:`p + b \odot c` (into ``.grad``, or
         as the returned loss's gradient where ``differentiable``)."""

@@ -62,22 +62,12 @@ def _sum_dependent(t: torch.Tensor, dims) -> torch.Tensor:
     return t.sum(dims, keepdim=True) if dims else t
 
 
-def _sample_sites(*traces):
-    return [s for t in traces for s in t.nodes.values() if s["type"] == "sample"]
-
-
 def common_plate_scale(sites) -> float:
     """The subsampling scale ``N / b`` of the plates that hold every site (1 without subsampling)."""
     stacks = [{f.name: f for f in s["cond_indep_stack"] if f.vectorized} for s in sites]
-    if not stacks:
-        return 1.0
-    common = set(stacks[0]).intersection(*stacks[1:])
-    scale = 1.0
-    for name in common:
-        f = stacks[0][name]
-        if f.full_size is not None and f.full_size != f.size:
-            scale *= f.full_size / f.size
-    return scale
+    common = [stacks[0][n] for n in set(stacks[0]).intersection(*stacks[1:])] if stacks else []
+    scales = (f.full_size / f.size for f in common if f.full_size not in (None, f.size))
+    return math.prod(scales, start=1.0)
 
 
 def _inner_scale(site, outer: float):
@@ -390,11 +380,11 @@ class TraceDReG_ELBO(RoutedELBO):
     def _log_weights(self, model_trace, guide_trace):
         """``(log_w, outer, model_sites, guide_sites)`` of one trace pair (``log_w`` detached)."""
         self._check_sites(guide_trace)
-        sites = _sample_sites(model_trace, guide_trace)
-        sum_dims = get_dependent_plate_dims(sites)
-        outer = common_plate_scale(sites)
         model_sites = {n: s for n, s in model_trace.nodes.items() if s["type"] == "sample"}
         guide_sites = {n: s for n, s in guide_trace.nodes.items() if s["type"] == "sample"}
+        sites = [*model_sites.values(), *guide_sites.values()]
+        sum_dims = get_dependent_plate_dims(sites)
+        outer = common_plate_scale(sites)
         log_w = sum(_sum_dependent(s["log_prob"].detach(), sum_dims) for s in model_sites.values())
         log_w = log_w - sum(
             _sum_dependent(s["log_prob"].detach(), sum_dims) for s in guide_sites.values()
