@@ -120,11 +120,6 @@ class ControlVariate:
         return p, c
 
     # -- the fit -----------------------------------------------------------------------
-    def ready(self, key: str | None) -> bool:
-        """Whether ``key`` is past warm-up (its weights come from the fit)."""
-        st = self.state.get(key)
-        return st is not None and st["n"] > self.warmup and st["qw"] > 0
-
     def moments(self, key: str) -> dict[str, torch.Tensor]:
         """``key``'s running sums by name (``sp``, ``sc``, ``spp``, ``spc``, ``scc``, ...)."""
         return dict(zip(_KEYS, self.state[key]["buf"].unbind(0)))
@@ -141,9 +136,9 @@ class ControlVariate:
 
     def fit(self, key: str) -> dict | None:
         """``{"b", "b_hat", "se", "endpoint", "n_eff"}`` (joint vectors), ``None`` in warm-up."""
-        if not self.ready(key):
+        st = self.state.get(key)
+        if st is None or st["n"] <= self.warmup or st["qw"] <= 0:  # in warm-up
             return None
-        st = self.state[key]
         if st["fit"] is None:
             st["fit"], st["age"] = self._fit(st), 0
         return st["fit"]

@@ -142,11 +142,12 @@ def _grads(outputs, params, seeds=None, retain=False) -> dict:
     return {p: g for p, g in zip(params, gs) if g is not None}
 
 
-def _normal_parts(guide_trace, n: int) -> list | str:
+def _normal_parts(model_trace, guide_trace, n: int) -> list | str:
     """``[("<site>.loc", loc, c), ...]`` sorted by name: each plain-Normal site's parameter and its
-    closed-form score part, or why the trace does not qualify
+    closed-form score part, or why the traces do not qualify
     (:func:`~pyro_gradroute.distributions.normal.normal_sites`)."""
-    sites = normal_sites(guide_trace)
+    blocked = collect_blocks(model_trace, guide_trace)
+    sites = "block_grad routes" if blocked else normal_sites(guide_trace)
     if isinstance(sites, str):
         return sites
     parts = []
@@ -455,22 +456,16 @@ class TraceAdaptiveSTL_ELBO(_Adaptive, TraceSTL_ELBO):
             ):
                 self._refuse_enumeration(model_trace, guide_trace)
                 loss += loss_p / n
-                parts = None
-                if ok:
-                    parts = (
-                        "block_grad routes"
-                        if collect_blocks(model_trace, guide_trace)
-                        else _normal_parts(guide_trace, n)
-                    )
-                    if isinstance(parts, str):
-                        self._not_one_pass(parts)
-                        parts = None
+                parts = _normal_parts(model_trace, guide_trace, n) if ok else None
+                if isinstance(parts, str):
+                    self._not_one_pass(parts)
+                    parts = None
                 if parts is not None and keys is None:  # the first trace fixes the weights
                     keys, cs = [k for k, _, _ in parts], [c for _, _, c in parts]
                     key = cv.key(keys, cs) if keys else ""
                     const = sch.constant(cv, key)
                     feed = sch.mix_gain is not None and const == sch.gate.e
-                    bs = sch.weights(cv, keys, cs) if const != 1.0 and keys else None
+                    bs = sch.weights(cv, keys, cs) if const != 1.0 and keys else [None] * len(keys)
                 ok = parts is not None and [k for k, _, _ in parts] == keys
                 if ok:
                     ps = _trace_params(guide_trace)
@@ -480,12 +475,11 @@ class TraceAdaptiveSTL_ELBO(_Adaptive, TraceSTL_ELBO):
                     model_trace, guide_trace
                 ):
                     continue
-                entries = []
-                if ok:
-                    entries = [
-                        (t, None if bs is None else (b - 1) * c)
-                        for (_, t, c), b in zip(parts, bs or [None] * len(parts))
-                    ]
+                entries = (
+                    [(t, None if b is None else (b - 1) * c) for (_, t, c), b in zip(parts, bs)]
+                    if ok
+                    else []
+                )
                 with routing.taps(entries) as seen:
                     (surrogate / n).backward(retain_graph=self._pyro.retain_graph)
                 if ok and entries:
