@@ -272,7 +272,7 @@ class TraceDReG_ELBO(RoutedELBO):
         for model_trace, guide_trace in pairs:
             for key, blocked in collect_blocks(model_trace, guide_trace).items():
                 blocks[key] = {**blocks.get(key, {}), **blocked}
-        elbo, terms = self._weighted_terms(pairs, vectorized=False)
+        elbo, terms = self._weighted_terms(pairs)
         blocks = _joint_blocks(terms, blocks)
         trainable = any(
             site["type"] == "param" for pair in pairs for t in pair for site in t.nodes.values()
@@ -391,22 +391,18 @@ class TraceDReG_ELBO(RoutedELBO):
         )
         return torch.as_tensor(log_w) / outer, outer, model_sites, guide_sites
 
-    def _weighted_terms(self, pairs, vectorized: bool) -> tuple[float, Terms]:
-        """The bound and the surrogate terms of the particles in ``pairs``.
-
-        ``vectorized``: one trace pair whose leftmost batch dimension holds the particles;
-        otherwise one trace pair per particle, whose log-weights are stacked.
-        """
+    def _weighted_terms(self, pairs) -> tuple[float, Terms]:
+        """The bound and the surrogate terms of the particles in ``pairs``: one trace pair
+        (its leftmost batch dimension holds the particles), or one per particle (stacked)."""
         parts = [self._log_weights(m, g) for m, g in pairs]
         outer = parts[0][1]
-        if vectorized:
-            log_w = parts[0][0]
-        else:
-            if any(not _same(p[1], outer) for p in parts):
-                raise ValueError(
-                    f"{type(self).__name__}: the particles' subsampling scales differ (the "
-                    "plates that hold every site have different sizes across particles)."
-                )
+        if any(not _same(p[1], outer) for p in parts):
+            raise ValueError(
+                f"{type(self).__name__}: the particles' subsampling scales differ (the "
+                "plates that hold every site have different sizes across particles)."
+            )
+        log_w = parts[0][0]
+        if len(pairs) > 1:
             log_w = torch.stack(torch.broadcast_tensors(*(p[0] for p in parts)))
         K, beta = self.num_particles, 1 - self.alpha
         if K > 1:
@@ -418,10 +414,10 @@ class TraceDReG_ELBO(RoutedELBO):
             elbo = outer * log_w.sum().item()
             w = torch.ones_like(log_w)
         terms: Terms = {}
-        for k, ((model_trace, guide_trace), (_, _, model_sites, guide_sites)) in enumerate(
-            zip(pairs, parts)
+        ws = w.unbind(0) if len(pairs) > 1 else [w]
+        for (model_trace, guide_trace), (_, _, model_sites, guide_sites), wk in zip(
+            pairs, parts, ws
         ):
-            wk = w if vectorized else w[k]
             factors = self._site_factors(guide_sites, wk, outer)
             _scale_gradient(model_trace, guide_trace, factors)
             for name, site in model_sites.items():
@@ -431,12 +427,12 @@ class TraceDReG_ELBO(RoutedELBO):
                 if torch.is_tensor(path) and path.requires_grad:
                     f = factors.get(name, 1.0)
                     add_term(terms, ("guide", name), -(wk * f * path).sum())
-        if vectorized:  # the particle's record, for estimators built on this one
+        if len(pairs) == 1:  # the particle's record, for estimators built on this one
             terms[EXTRA] = {"weights": w, "factors": factors}
         return elbo, terms
 
     def _particle_terms(self, model_trace, guide_trace, blocks=None) -> tuple[float, Terms]:
-        return self._weighted_terms([(model_trace, guide_trace)], vectorized=True)
+        return self._weighted_terms([(model_trace, guide_trace)])
 
 
 class ReweightedWakeSleepDReG(TraceDReG_ELBO):
