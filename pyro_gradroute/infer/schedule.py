@@ -85,12 +85,9 @@ class ScheduleConfig:
 
 class Gate:
     r"""The bound :math:`B = \mathbb E\lVert g_t\rVert^2 / \mathbb E\langle g_t, g_{t-1}\rangle`
-    on the gain of any weights over the endpoint ``e`` the steps take.
-
-    Exponentially weighted sums (factor ``decay``) of both scalars of the applied gradients
-    (flattened in one fixed order): two dot products a step. A mean that turns within the
-    window lowers the denominator, which only makes :math:`B` larger (more measuring).
-    """
+    on the gain of any weights over the endpoint ``e`` the steps take, from exponentially
+    weighted sums (factor ``decay``) over the applied gradients (a mean that turns within the
+    window only makes :math:`B` larger)."""
 
     def __init__(self, decay: float, min_samples: float = 3.0):
         self.decay, self.min_samples = decay, min_samples

@@ -110,35 +110,29 @@ class TraceDReG_ELBO(RoutedELBO):
       to :class:`pyro.infer.RenyiELBO` with the same ``alpha`` on the same samples
       (subsampling: see below);
     * model parameters get :math:`\nabla_\theta L = \sum_k \tilde w_k \nabla_\theta \log w_k`;
-    * guide parameters get the doubly-reparameterized gradient.
-
-    **Derivation.** :math:`\nabla_\phi L = \sum_k \tilde w_k \nabla_\phi \log w_k` and, for
-    the draw :math:`z_k`, :math:`\nabla_\phi \log w_k = \partial_z \log w_k \, \partial_\phi z_k
-    - \partial_\phi \log q_\phi(z_k)|_{z_k}`. The last (score) part is replaced with the
-    reparameterization identity :math:`\mathbb E[f(z)\, \partial_\phi \log q_\phi(z)] =
-    \mathbb E[\partial_z f \, \partial_\phi z]` applied to :math:`f = \tilde w_k`, whose
-    derivative is :math:`\partial_z \tilde w_k = \beta \tilde w_k (1 - \tilde w_k)
-    \partial_z \log w_k`. A guide log-density enters the log-weights with a scale :math:`c`
-    (``poutine.scale``, a mask, a subsampled plate that does not hold every site), so its
-    score part carries :math:`c` too. Altogether, the gradient through a draw is
+    * guide parameters get the doubly-reparameterized gradient: through a draw whose
+      log-density enters the log-weights with scale :math:`c` (``poutine.scale``, a mask, a
+      subsampled plate that does not hold every site)
 
     .. math::
 
         \sum_k \tilde w_k \big(1 - c\beta + c\beta\, \tilde w_k\big)\,
         \frac{\partial \log w_k}{\partial z_k}\bigg|_{\bot(\phi)}
-        \frac{\partial z_k}{\partial \phi},
+        \frac{\partial z_k}{\partial \phi}.
 
-    which is :math:`\sum_k (\alpha \tilde w_k + \beta \tilde w_k^2)(\dots)` at :math:`c = 1`
-    (the VR-IWAE estimator of Daudel, Benton, Shi & Doucet, 2023) and Tucker et al.'s
-    :math:`\sum_k \tilde w_k^2 (\dots)` at :math:`\alpha = 0`. It is unbiased for
-    :math:`\nabla_\phi L`, and at an exact posterior (:math:`\log w_k` constant) it is zero.
-    A path that reaches a parameter through no random draw (the value of an ``AutoDelta``
-    site) has no score part: it keeps the factor :math:`\tilde w_k`.
+    **Derivation.** In :math:`\nabla_\phi L = \sum_k \tilde w_k (\partial_z \log w_k \,
+    \partial_\phi z_k - c\, \partial_\phi \log q_\phi(z_k)|_{z_k})` the score part is replaced
+    by the identity :math:`\mathbb E[f\, \partial_\phi \log q_\phi(z)] = \mathbb E[\partial_z f
+    \, \partial_\phi z]` at :math:`f = \tilde w_k`, :math:`\partial_z \tilde w_k = \beta \tilde
+    w_k (1 - \tilde w_k) \partial_z \log w_k`. Unbiased for :math:`\nabla_\phi L` and zero at
+    an exact posterior; at :math:`c = 1` it is VR-IWAE (Daudel, Benton, Shi & Doucet, 2023),
+    :math:`\sum_k (\alpha \tilde w_k + \beta \tilde w_k^2)(\dots)`, at :math:`\alpha = 0`
+    Tucker et al.'s :math:`\sum_k \tilde w_k^2 (\dots)`. A path that reaches a parameter
+    through no random draw (an ``AutoDelta`` value) keeps the factor :math:`\tilde w_k`.
 
-    One model pass, one guide pass and one backward for all particles (the model reads each
-    guide value through a node that applies its factor; for a conditional guide the path
-    through earlier draws is kept at any depth). With ``num_particles=1`` the gradient is
-    :class:`TraceSTL_ELBO`'s.
+    One model pass, one guide pass and one backward for all particles (for a conditional guide
+    the path through earlier draws is kept at any depth). With ``num_particles=1`` the
+    gradient is :class:`TraceSTL_ELBO`'s.
 
     **Subsampling.** Weights are per element of the plates that hold every site (one bound per
     data point of a VAE). A subsampled such plate's scale :math:`N/b` is taken *out* of the
@@ -146,14 +140,12 @@ class TraceDReG_ELBO(RoutedELBO):
     the full-data bound (Pyro's ``RenyiELBO`` keeps it inside, a tempered bound; without
     subsampling the two are equal).
 
-    **Not covered** (each raises a ``ValueError`` naming the site): a guide site without
-    ``rsample`` whose density depends on parameters (auxiliary sites included), a
-    distribution with its own score-function term (``Rejector``), a Delta whose
-    ``log_density`` depends on parameters directly (other than ``AutoStructured``'s and
-    ``AutoGaussian``'s, whose Deltas and auxiliary draws are taken as one reparameterized
-    draw of the joint :math:`q(z)`), a Delta value that depends both on draws and directly
-    on parameters, and a conditional link between draws whose scales differ. Use
-    :class:`pyro.infer.RenyiELBO` there.
+    **Not covered** (each a ``ValueError`` naming the site; use :class:`pyro.infer.RenyiELBO`):
+    a guide site without ``rsample`` whose density reads parameters (auxiliary sites
+    included), a distribution with its own score-function term (``Rejector``), a Delta whose
+    ``log_density`` reads parameters directly (``AutoStructured`` and ``AutoGaussian`` are
+    covered: one reparameterized draw of the joint :math:`q(z)`), a Delta value that reads
+    draws and parameters directly, and a conditional link between draws of different scales.
 
     Example::
 
