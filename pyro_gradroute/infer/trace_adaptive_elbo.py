@@ -507,7 +507,6 @@ class TraceAdaptiveSTL_ELBO(_Adaptive, TraceSTL_ELBO):
         refuse_model_enumeration(self, model_trace, guide_trace)
 
     def _particle_terms(self, model_trace, guide_trace, blocks=None) -> tuple[float, Terms]:
-        self._refuse_enumeration(model_trace, guide_trace)
         elbo, terms = super()._particle_terms(model_trace, guide_trace, blocks)
         if torch.is_grad_enabled():
             scores = []
