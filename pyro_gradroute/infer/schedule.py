@@ -147,6 +147,7 @@ class Schedule:
         self.key: str | None = None  # the joint state of the last measured step
         self.layout: list | None = None  # its parameters [(param-store name, shape)]
         self.one_pass: bool | None = None  # whether measured steps take one backward
+        self.routed = False  # whether the last measured step had block_grad routes
         self.unmeasured, self.interval, self.last_end = 0, self.config.measure_every, None
         self.gate_count = 0
         self.gate.reset(1.0)
@@ -243,10 +244,10 @@ class Schedule:
                 self.reset()
                 return
 
-    def measured(self, key: str, layout: list | None) -> None:
+    def measured(self, key: str, layout: list | None, routed: bool) -> None:
         """Record a measured step's joint state and its parameters (``None``: some parameter
         is outside the param store, so direct steps cannot feed the gate)."""
-        self.key, self.layout = key, layout
+        self.key, self.layout, self.routed = key, layout, routed
 
     def state_dict(self) -> dict:
         gate = {k: _clone(getattr(self.gate, k)) for k in ("e", "w1", "w2", "prev", "sums")}

@@ -22,9 +22,9 @@ from ..distributed.gradients import average_gradients
 from ..distributions.normal import normal_score, normal_sites
 from ..poutine.stick_the_landing_messenger import stick_the_landing
 from .control_variate import ControlVariate
-from .elbo import EXTRA, Terms, collect_blocks
+from .elbo import EXTRA, RoutedELBO, Terms, collect_blocks
 from .schedule import Schedule, ScheduleConfig
-from .trace_elbo import TraceSTL_ELBO
+from .trace_elbo import Trace_ELBO, TraceSTL_ELBO
 from .traces import PATHWISE, refuse_model_enumeration, scaled
 
 __all__ = ["TraceAdaptiveSTL_ELBO", "TraceEnumAdaptiveSTL_ELBO"]
@@ -142,12 +142,11 @@ def _grads(outputs, params, seeds=None, retain=False) -> dict:
     return {p: g for p, g in zip(params, gs) if g is not None}
 
 
-def _normal_parts(model_trace, guide_trace, n: int) -> list | str:
+def _normal_parts(blocks: dict, guide_trace, n: int) -> list | str:
     """``[("<site>.loc", loc, c), ...]`` sorted by name: each plain-Normal site's parameter and its
     closed-form score part, or why the traces do not qualify
     (:func:`~pyro_gradroute.distributions.normal.normal_sites`)."""
-    blocked = collect_blocks(model_trace, guide_trace)
-    sites = "block_grad routes" if blocked else normal_sites(guide_trace)
+    sites = "block_grad routes" if blocks else normal_sites(guide_trace)
     if isinstance(sites, str):
         return sites
     parts = []
@@ -236,7 +235,7 @@ class _Adaptive:
     def _measure(self, model, guide, args, kwargs, differentiable: bool = False):
         r"""A step that forms both parts and applies :math:`p + b \odot c` (into ``.grad``, or
         as the returned loss's gradient where ``differentiable``)."""
-        loss, surrogate, one_pass = 0.0, None, True
+        loss, surrogate, one_pass, routed = 0.0, None, True, False
         g_path: dict = {}
         g_cv: dict = {}
         with _own_grads() as own:
@@ -244,6 +243,7 @@ class _Adaptive:
                 model, guide, args, kwargs
             ):
                 loss -= elbo
+                routed = routed or bool(blocks)
                 if differentiable and terms:
                     part = -sum(
                         routing.gate(v, blocks[k]) if k in blocks else v for k, v in terms.items()
@@ -287,7 +287,7 @@ class _Adaptive:
                 p, c = cv.update(keys, paths, cvs)
                 if sch.mix_gain is not None:  # what a direct step at the gate's endpoint applies
                     sch.gate.update(p if sch.gate.e == 0.0 else p + sch.gate.e * c)
-                sch.measured(cv.key(keys, order), _layout(keys, order))
+                sch.measured(cv.key(keys, order), _layout(keys, order), routed)
                 if sch.one_pass is None:
                     sch.one_pass = one_pass
         if not differentiable:
@@ -399,6 +399,7 @@ class TraceAdaptiveSTL_ELBO(_Adaptive, TraceSTL_ELBO):
         )
         kwargs.pop("trace_steps", None)
         self._pyro = self._PYRO(num_particles, max_plate_nesting, *args, **kwargs)
+        self._routed_trace = Trace_ELBO(num_particles, max_plate_nesting, *args, **kwargs)
 
     def loss_and_grads(self, model, guide, *args, **kwargs) -> float:
         """Negative ELBO as a float; accumulates :math:`p + b \\odot c` (or a direct step's gradient)."""
@@ -427,8 +428,13 @@ class TraceAdaptiveSTL_ELBO(_Adaptive, TraceSTL_ELBO):
         return loss
 
     def _endpoint(self, end: float, model, guide, args, kwargs) -> float:
-        """Pyro's estimator on ``guide`` (``end = 1``) or on ``stick_the_landing(guide)``
-        (``block_grad`` routes apply through their gates)."""
+        """Pyro's estimator on ``guide`` (``end = 1``) or on ``stick_the_landing(guide)``; where
+        the last measured step had ``block_grad`` routes, this package's routed ones (which
+        route REINFORCE terms per site)."""
+        if self.schedule.routed:
+            if end == 1.0:
+                return self._routed_trace.loss_and_grads(model, guide, *args, **kwargs)
+            return RoutedELBO.loss_and_grads(self, model, guide, *args, **kwargs)
         self._sync()
         return self._pyro.loss_and_grads(
             model, guide if end == 1.0 else self._stl(guide), *args, **kwargs
@@ -446,7 +452,7 @@ class TraceAdaptiveSTL_ELBO(_Adaptive, TraceSTL_ELBO):
         and sends on :math:`t + (b - 1) c`. Where a trace does not qualify the step is
         ``Trace_ELBO``'s (nothing measured) and later measured steps take two backwards."""
         sch, cv, n = self.schedule, self.control_variate, self.num_particles
-        loss, ok, keys = 0.0, True, None
+        loss, ok, keys, routed = 0.0, True, None, False
         acc: dict[str, list] = {}
         params: dict[str, torch.Tensor] = {}
         self._sync()
@@ -456,7 +462,9 @@ class TraceAdaptiveSTL_ELBO(_Adaptive, TraceSTL_ELBO):
             ):
                 self._refuse_enumeration(model_trace, guide_trace)
                 loss += loss_p / n
-                parts = _normal_parts(model_trace, guide_trace, n) if ok else None
+                blocks = collect_blocks(model_trace, guide_trace)
+                routed = routed or bool(blocks)
+                parts = _normal_parts(blocks, guide_trace, n) if ok else None
                 if isinstance(parts, str):
                     self._not_one_pass(parts)
                     parts = None
@@ -475,6 +483,17 @@ class TraceAdaptiveSTL_ELBO(_Adaptive, TraceSTL_ELBO):
                     model_trace, guide_trace
                 ):
                     continue
+                if blocks:  # this package's routed Trace_ELBO on these traces
+                    _, terms = self._routed_trace._particle_terms(model_trace, guide_trace, blocks)
+                    terms = {
+                        k: -v / n
+                        for k, v in terms.items()
+                        if torch.is_tensor(v) and v.requires_grad
+                    }
+                    routing.backward(
+                        terms, block=blocks, retain_graph=self._pyro.retain_graph, strict=False
+                    )
+                    continue
                 entries = (
                     [(t, None if b is None else (b - 1) * c) for (_, t, c), b in zip(parts, bs)]
                     if ok
@@ -489,13 +508,14 @@ class TraceAdaptiveSTL_ELBO(_Adaptive, TraceSTL_ELBO):
                     for (k, _, c), g in zip(parts, seen):
                         a = acc.setdefault(k, [0.0, 0.0])
                         a[0], a[1] = a[0] + (g - c), a[1] + c
+            sch.routed = routed
             if ok and keys and len(acc) == len(keys):
                 if sch.key is not None and sch.key != key:
                     cv.forget(sch.key)  # the two-backward path's state (a first step)
                 cv.update(keys, [acc[k][0] for k in keys], [acc[k][1] for k in keys])
                 names = sorted(params)
                 ps = [params[k] for k in names]
-                sch.measured(key, _layout(names, ps))
+                sch.measured(key, _layout(names, ps), routed)
                 if feed and ps:  # the step's own gradient, in the layout's order
                     sch.gate.update(_flat_grad(ps))
                 sch.one_pass = True
@@ -618,3 +638,9 @@ class TraceEnumAdaptiveSTL_ELBO(TraceAdaptiveSTL_ELBO):
     def _sync(self) -> None:
         if self.max_plate_nesting != math.inf:  # (else TraceEnum_ELBO keeps the one it guessed)
             self._pyro.max_plate_nesting = self.max_plate_nesting
+
+    def _endpoint(self, end: float, model, guide, args, kwargs) -> float:
+        self._sync()
+        return self._pyro.loss_and_grads(
+            model, guide if end == 1.0 else self._stl(guide), *args, **kwargs
+        )
