@@ -1,19 +1,5 @@
-r"""The control variate's weight :math:`b`, from moments of earlier steps (plain tensors, no Pyro).
-
-A step's gradient is :math:`g(b) = p + b \odot c` with :math:`p` the base estimator's
-gradient, :math:`c` a part with mean zero and :math:`b` one weight per element, chosen from
-earlier steps only (so :math:`\mathbb E[g(b)] = \mathbb E[p]`). Elementwise,
-:math:`\operatorname{Var} g(b) = \operatorname{Var} p + 2b \operatorname{Cov}(p, c) + b^2
-\operatorname{Var} c` is smallest at :math:`b^\star = -\operatorname{Cov}(p, c) /
-\operatorname{Var} c`. :class:`ControlVariate` keeps exponentially weighted moments of
-:math:`p` and :math:`c` per *key* (one vector: the concatenated parameters of a step) and
-fits :math:`b` from them (:meth:`ControlVariate.fit`).
-
-Everything is elementwise: the fit holds the per-element terms of the predicted second moments
-(``fit["elementwise"]``) beside their totals (``fit["moments"]``, what the schedule reads), so a
-decision per parameter (tensor) sums the terms over that parameter's slice
-(:meth:`ControlVariate.split`).
-"""
+r"""The control variate's weight :math:`b`, fitted from moments of earlier steps (plain
+tensors, no Pyro): :class:`ControlVariate`."""
 
 from __future__ import annotations
 
@@ -134,11 +120,6 @@ class ControlVariate:
         return p, c
 
     # -- the fit -----------------------------------------------------------------------
-    def ready(self, key: str | None) -> bool:
-        """Whether ``key`` is past warm-up (its weights come from the fit)."""
-        st = self.state.get(key)
-        return st is not None and st["n"] > self.warmup and st["qw"] > 0
-
     def moments(self, key: str) -> dict[str, torch.Tensor]:
         """``key``'s running sums by name (``sp``, ``sc``, ``spp``, ``spc``, ``scc``, ...)."""
         return dict(zip(_KEYS, self.state[key]["buf"].unbind(0)))
@@ -155,9 +136,9 @@ class ControlVariate:
 
     def fit(self, key: str) -> dict | None:
         """``{"b", "b_hat", "se", "endpoint", "n_eff"}`` (joint vectors), ``None`` in warm-up."""
-        if not self.ready(key):
+        st = self.state.get(key)
+        if st is None or st["n"] <= self.warmup or st["qw"] <= 0:  # in warm-up
             return None
-        st = self.state[key]
         if st["fit"] is None:
             st["fit"], st["age"] = self._fit(st), 0
         return st["fit"]
@@ -189,31 +170,27 @@ class ControlVariate:
         shrink = (1 - zse.square() / d2.clamp_min(tiny)).clamp_min(0)
         shrink = torch.where(d2 > 0, shrink, torch.zeros_like(shrink)).nan_to_num(0.0)
         b = end + shrink * (b_hat - end)
-        constant = next((v for v in (0.0, 1.0) if bool((b == v).all())), None)
-        fit = {"b": b, "b_hat": b_hat, "se": se, "endpoint": end, "n_eff": n_eff}
-        el = self._second_moments(m, w1, b)
-        mean2 = float(el["mean2"].sum())
-        totals = (
-            max(float(el["mix"].sum()), 0.0),
-            float(el["stl"].sum()),
-            float(el["trace"].sum()),
-        )
-        moments = tuple(mean2 + t for t in totals)
-        return {**fit, "constant": constant, "elementwise": el, "moments": moments}
-
-    @staticmethod
-    def _second_moments(m: dict, w1: float, b: torch.Tensor) -> dict[str, torch.Tensor]:
-        r"""The elementwise terms of the predicted second moment :math:`S(b) = \sum_e ar p_e^2 +
-        \operatorname{Var} p_e + 2 b_e \operatorname{Cov}(p_e, c_e) + b_e^2 \operatorname{Var} c_e`:
-        ``mean2`` (:math:`ar p_e^2`) and the variance at ``b`` (``mix``), 0 (``stl``) and 1
-        (``trace``). The fit's ``moments`` are their totals, :math:`(S(b), S(0), S(1))`; a
-        decision per parameter sums them over its slice (:meth:`split`)."""
+        # the predicted second moments S(b), S(0), S(1): sum_e mean_e^2 + Var p_e
+        # + 2 b_e Cov(p_e, c_e) + b_e^2 Var c_e
         mp, mc = m["sp"] / w1, m["sc"] / w1
         var_p = (m["spp"] / w1 - mp.square()).clamp_min(0)
         cov = m["spc"] / w1 - mp * mc
         var_c = (m["scc"] / w1 - mc.square()).clamp_min(0)
-        mix = var_p + b * (2 * cov + b * var_c)
-        return {"mean2": mp.square(), "mix": mix, "stl": var_p, "trace": var_p + 2 * cov + var_c}
+        mean2 = float(mp.square().sum())
+        totals = (
+            max(float((var_p + b * (2 * cov + b * var_c)).sum()), 0.0),
+            float(var_p.sum()),
+            float((var_p + 2 * cov + var_c).sum()),
+        )
+        return {
+            "b": b,
+            "b_hat": b_hat,
+            "se": se,
+            "endpoint": end,
+            "n_eff": n_eff,
+            "constant": next((v for v in (0.0, 1.0) if bool((b == v).all())), None),
+            "moments": tuple(mean2 + t for t in totals),
+        }
 
     def weights(self, names: list[str], likes: list[torch.Tensor]) -> list[torch.Tensor]:
         """The ``b`` of each parameter this step applies (from earlier steps only): ones in

@@ -1,25 +1,21 @@
 r"""When an adaptive step measures both parts, and when it takes one endpoint directly.
 
 A *measured* step forms :math:`p` and :math:`c` and applies :math:`p + b \odot c`; a *direct*
-step applies one endpoint's gradient (:math:`b \equiv e`, ``e = 1``: ``Trace_ELBO``, ``e = 0``:
-STL) at that estimator's cost. Every choice is made from earlier steps only, so every step is
-unbiased whatever the schedule decides. Two bounds drive it, both from the identity
-:math:`S(b) = \mathbb E\lVert g(b)\rVert^2 = \lVert \mathbb E g\rVert^2 + \sum_e
-\operatorname{Var} g_e(b) \ge \lVert \mathbb E g \rVert^2` (the mean is every weight's mean):
+step applies one endpoint's gradient (:math:`e = 1`: ``Trace_ELBO``, :math:`e = 0`: STL) at
+that estimator's cost. Every choice comes from earlier steps only, so every step is unbiased.
+Since :math:`S(b) = \mathbb E\lVert g(b)\rVert^2 = \lVert \mathbb E g\rVert^2 + \sum
+\operatorname{Var} g(b)` and the mean is every weight's:
 
-* the **gate** (:class:`Gate`): against the endpoint :math:`e` the steps take, no weights
-  reduce the second moment by more than :math:`B = S(e)/\lVert \mathbb E g\rVert^2 =
-  \mathbb E\lVert g_t\rVert^2 / \mathbb E\langle g_t, g_{t-1}\rangle` (two steps' draws are
-  independent), which the applied gradients alone estimate. While :math:`B \le` ``mix_gain``
-  no step measures;
-* the **fit**: once settled, while every weight is an endpoint, or the better endpoint's
-  predicted :math:`S(e)` is within ``mix_gain`` of the fitted weights' :math:`S(b)`, steps
-  take that endpoint directly and measure one step in ``measure_every`` (then twice as rarely
-  after each measurement that confirms the choice, up to one in ``measure_max``, while
-  :math:`S(e) \le` ``calm`` :math:`S(b)`).
+* the **gate** (:class:`Gate`): no weights gain more than :math:`B = \mathbb E\lVert
+  g_t\rVert^2 / \mathbb E\langle g_t, g_{t-1}\rangle` over the endpoint the steps take; while
+  :math:`B \le` ``mix_gain`` no step measures;
+* the **fit**: once settled, while the better endpoint's predicted :math:`S(e)` is within
+  ``mix_gain`` of the fitted weights' :math:`S(b)`, steps take it directly and one in
+  ``measure_every`` measures (the wait doubles after each confirming measurement, up to
+  ``measure_max``, while :math:`S(e) \le` ``calm`` :math:`S(b)`).
 
-``mix_gain=None`` measures every step (no gate); ``math.inf`` never mixes: a switch between
-the whole estimators (``Trace_ELBO`` first, STL once its predicted second moment is the lower).
+``mix_gain=None`` measures every step; ``math.inf`` never mixes: a switch between the whole
+estimators (``Trace_ELBO`` first, STL once its predicted second moment is the lower).
 """
 
 from __future__ import annotations
@@ -89,12 +85,9 @@ class ScheduleConfig:
 
 class Gate:
     r"""The bound :math:`B = \mathbb E\lVert g_t\rVert^2 / \mathbb E\langle g_t, g_{t-1}\rangle`
-    on the gain of any weights over the endpoint ``e`` the steps take.
-
-    Exponentially weighted sums (factor ``decay``) of both scalars of the applied gradients
-    (flattened in one fixed order): two dot products a step. A mean that turns within the
-    window lowers the denominator, which only makes :math:`B` larger (more measuring).
-    """
+    on the gain of any weights over the endpoint ``e`` the steps take, from exponentially
+    weighted sums (factor ``decay``) over the applied gradients (a mean that turns within the
+    window only makes :math:`B` larger)."""
 
     def __init__(self, decay: float, min_samples: float = 3.0):
         self.decay, self.min_samples = decay, min_samples
@@ -140,12 +133,9 @@ MEASURE = Step(True)
 
 
 class Schedule:
-    """The choice of each step's kind, from the control variate's fit and the gate.
-
-    State between steps (saved with the estimator): the joint state ``key`` of the last
-    measured step and its parameters, the gate, and the waits. ``mix_gain``: ``None`` (every
-    step measures), finite (mix where the mix gains more than that), or ``math.inf`` (switch).
-    """
+    """The choice of each step's kind (module docstring), from the control variate's fit and the
+    gate; its state (the last measured step's key and parameters, the gate, the waits) is saved
+    with the estimator."""
 
     def __init__(self, mix_gain: float | None, decay: float, config: ScheduleConfig):
         self.mix_gain, self.config = mix_gain, config
@@ -260,19 +250,16 @@ class Schedule:
         self.key, self.layout, self.routed = key, layout, routed
 
     def state_dict(self) -> dict:
-        gate = {k: getattr(self.gate, k) for k in ("e", "w1", "w2")}
-        gate.update(
-            {
-                k: (None if v is None else v.clone())
-                for k, v in (("prev", self.gate.prev), ("sums", self.gate.sums))
-            }
-        )
+        gate = {k: _clone(getattr(self.gate, k)) for k in ("e", "w1", "w2", "prev", "sums")}
         own = {k: v for k, v in vars(self).items() if k not in ("gate", "config", "mix_gain")}
         return {**own, "gate": gate}
 
     def load_state_dict(self, state: dict) -> None:
         state = dict(state)
         for k, v in state.pop("gate").items():
-            setattr(self.gate, k, v.clone() if torch.is_tensor(v) else v)
-        for k, v in state.items():
-            setattr(self, k, v)
+            setattr(self.gate, k, _clone(v))
+        vars(self).update(state)
+
+
+def _clone(v):
+    return v.clone() if torch.is_tensor(v) else v

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .elbo import EXTRA, Terms
-from .trace_adaptive_elbo import _Adaptive, _grads, _score_part, _trace_params
+from .trace_adaptive_elbo import _Adaptive, _add, _grads, _score_part, _trace_params
 from .trace_dreg_elbo import TraceDReG_ELBO
 from .traces import site_parts
 
@@ -29,12 +29,9 @@ class TraceAdaptiveDReG_ELBO(_Adaptive, TraceDReG_ELBO):
     :math:`c = g_\text{IWAE} - g_\text{DReG}` has mean zero and, with :math:`b` from earlier
     steps only, **every step is unbiased**: :math:`b = 1` is IWAE, :math:`b = 0` DReG. The
     fit and its guarantee are :class:`~pyro_gradroute.infer.TraceAdaptiveSTL_ELBO`'s (every
-    step measures). Model parameters get the IWAE gradient, as in :class:`TraceDReG_ELBO`.
-
-    **Cost.** One model and one guide pass and the base backward; :math:`c` is one backward of
-    the *guide* graph only: the gradient the model sends to each sample is read during the base
-    backward (:class:`~pyro_gradroute.routing.taps`) and sent again with the factor
-    :math:`1 - f_k`. ``block_grad`` routes raise (the read model gradient mixes the routes).
+    step measures). Model parameters get the IWAE gradient. :math:`c` costs one backward of
+    the guide graph only (the model's gradient at each sample is read during the base
+    backward). ``block_grad`` routes raise.
 
     Example::
 
@@ -56,11 +53,10 @@ class TraceAdaptiveDReG_ELBO(_Adaptive, TraceDReG_ELBO):
         >>> list(elbo.control_variate_weights())
         ['w']
 
-    Arguments are :class:`TraceDReG_ELBO`'s plus ``decay``, ``clip``, ``warmup``,
+    Arguments are :class:`TraceDReG_ELBO`'s plus ``decay``, ``clip`` (default 2: far from the
+    posterior the weights are nearly one-hot and :math:`\hat b` heavy-tailed), ``warmup``,
     ``confidence``, ``fixed_weight``, ``center``, ``distributed`` and ``schedule`` (see
-    :class:`~pyro_gradroute.infer.TraceAdaptiveSTL_ELBO`). ``clip`` defaults to 2: far from the
-    posterior the importance weights are nearly one-hot and unclipped :math:`\hat b` is
-    heavy-tailed.
+    :class:`~pyro_gradroute.infer.TraceAdaptiveSTL_ELBO`).
     """
 
     def __init__(
@@ -113,18 +109,12 @@ class TraceAdaptiveDReG_ELBO(_Adaptive, TraceDReG_ELBO):
                 scores.append((w * s).sum())
         if blocks and (seeds or paths or scores):
             raise NotImplementedError(
-                "TraceAdaptiveDReG_ELBO does not support block_grad routes: its control "
-                "variate re-seeds the gradient the model sent to each sample, which mixes "
-                "the routes. Use TraceDReG_ELBO (routes supported) or remove the marks."
+                "TraceAdaptiveDReG_ELBO does not support block_grad routes (its control variate "
+                "re-seeds the model's gradient at each sample, which mixes the routes). Use "
+                "TraceDReG_ELBO (routes supported) or remove the marks."
             )
         params = _trace_params(model_trace, guide_trace)
-        terms[EXTRA] = {
-            "params": params,
-            "taps": taps,
-            "seeds": seeds,
-            "paths": paths,
-            "scores": scores,
-        }
+        terms[EXTRA] = dict(params=params, taps=taps, seeds=seeds, paths=paths, scores=scores)
         return elbo, terms
 
     def _cv_grads(self, item, params, blocks, seen, retain: bool) -> dict:
@@ -135,13 +125,9 @@ class TraceAdaptiveDReG_ELBO(_Adaptive, TraceDReG_ELBO):
                     f = f.reshape(f.shape + (1,) * event_dim)
                 outs.append(z)
                 grads.append(g * f)
-        for p in item["paths"]:
-            outs.append(p)
-            grads.append(torch.ones_like(p))
-        scores = item["scores"]
+        outs += item["paths"]
+        grads += [torch.ones_like(p) for p in item["paths"]]
         out = _grads(outs, params, grads, retain=True) if outs else {}
-        if scores:
-            sg = _grads(scores, params, retain=retain)
-            for p, g in sg.items():
-                out[p] = g if p not in out else out[p] + g
+        if item["scores"]:
+            _add(out, _grads(item["scores"], params, retain=retain).items())
         return out

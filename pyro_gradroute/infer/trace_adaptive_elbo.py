@@ -1,13 +1,7 @@
-r"""``Trace_ELBO`` whose score part is added back with a weight learned from earlier steps.
-
-For a reparameterized guide :math:`z = g(\epsilon; \phi)` the loss gradient of ``Trace_ELBO``
-is :math:`p + c`: the pathwise part :math:`p` (STL's gradient) and the score part
-:math:`c = \nabla_\phi \log q(\bot(z); \phi)`, which has mean zero for every :math:`\phi`.
-So for any :math:`b` that does not depend on the current draw,
-:math:`g(b) = p + b \odot c` is unbiased: :math:`b = 1` is ``Trace_ELBO``, :math:`b = 0` STL.
-:class:`~pyro_gradroute.infer.control_variate.ControlVariate` fits :math:`b` from earlier steps'
-parts and :class:`~pyro_gradroute.infer.schedule.Schedule` decides which steps measure.
-"""
+r"""``Trace_ELBO`` whose score part is added back with a weight learned from earlier steps:
+the estimators' two step functions (a measured step and a direct step) around
+:class:`~pyro_gradroute.infer.control_variate.ControlVariate` and
+:class:`~pyro_gradroute.infer.schedule.Schedule`."""
 
 from __future__ import annotations
 
@@ -39,8 +33,7 @@ __all__ = ["TraceAdaptiveSTL_ELBO", "TraceEnumAdaptiveSTL_ELBO"]
 # ----------------------------------------------------------------------------- helpers
 @contextlib.contextmanager
 def _own_grads():
-    """``own(params)`` gives each parameter a fresh ``.grad`` for this step; on exit what
-    ``.grad`` held before is added back."""
+    """``own(params)`` gives each parameter a fresh ``.grad``; on exit the old one is added back."""
     stash: dict = {}
 
     def own(params):
@@ -54,6 +47,17 @@ def _own_grads():
         for p, old in stash.items():
             if old is not None:
                 p.grad = old if p.grad is None else old.add_(p.grad)
+
+
+def _flat_grad(params: list) -> torch.Tensor:
+    return torch.cat(
+        [(torch.zeros_like(p) if p.grad is None else p.grad).reshape(-1) for p in params]
+    )
+
+
+def _add(acc: dict, pairs) -> None:
+    for k, g in pairs:
+        acc[k] = g if k not in acc else acc[k] + g
 
 
 def _ranks(distributed: bool | None) -> int:
@@ -109,12 +113,8 @@ def _trace_params(*traces) -> list[torch.Tensor]:
 
 
 def _score_part(site):
-    r"""The site's score part :math:`\log q(\bot(z); \phi)`, scaled: its density at the live
-    sample less the pathwise part the estimator's handler gave it (the difference's gradient
-    reaches the parameters directly only, not the sample nor the upstream samples it reads);
-    ``None`` where it has none (the handler gave it its ordinary parts: a score-function
-    site, a Delta computed from earlier draws, a point of a structured guide).
-    """
+    r"""The site's scaled score part :math:`\log q(\bot(z); \phi)` (reaching the parameters
+    directly only), or ``None`` where the estimator's handler left it its ordinary parts."""
     rec = site.get(PATHWISE)
     value = site["value"]
     if rec is None or rec.parts is None or not torch.is_grad_enabled():
@@ -142,14 +142,27 @@ def _grads(outputs, params, seeds=None, retain=False) -> dict:
     return {p: g for p, g in zip(params, gs) if g is not None}
 
 
+def _normal_parts(blocks: dict, guide_trace, n: int) -> list | str:
+    """``[("<site>.loc", loc, c), ...]`` sorted by name: each plain-Normal site's parameter and its
+    closed-form score part, or why the traces do not qualify
+    (:func:`~pyro_gradroute.distributions.normal.normal_sites`)."""
+    sites = "block_grad routes" if blocks else normal_sites(guide_trace)
+    if isinstance(sites, str):
+        return sites
+    parts = []
+    for name, base, nd, transforms in sites:
+        site = guide_trace.nodes[name]
+        value = site["value"].detach()
+        for t in reversed(transforms):  # the Normal's own draw
+            value = t.inv(value)
+        for part, t, c in normal_score(base, nd, value, site["scale"], site["mask"]):
+            parts.append((f"{name}.{part}", t, c / n if n > 1 else c))
+    return sorted(parts, key=lambda x: x[0])
+
+
 # ----------------------------------------------------------------------------- the step
 class _Adaptive:
-    """State and the measured step shared by the adaptive estimators.
-
-    ``control_variate`` (:class:`~pyro_gradroute.infer.control_variate.ControlVariate`) holds
-    the moments and the fit; ``schedule`` (:class:`~pyro_gradroute.infer.schedule.Schedule`,
-    its constants in ``schedule.config``) the choice of each step's kind.
-    """
+    """The state (``control_variate``, ``schedule``) and the measured step of the adaptive estimators."""
 
     control_variate: ControlVariate
     schedule: Schedule
@@ -203,8 +216,7 @@ class _Adaptive:
         self.schedule.reset()
 
     def _stl(self, guide):
-        """``stick_the_landing(guide)``, one wrapper per guide (kept: a new handler's first run
-        costs more than its later ones)."""
+        """``stick_the_landing(guide)``, kept per guide (a new handler's first run costs more)."""
         cached = self.__dict__.get("_stl_guide")
         if cached is None or cached[0] is not guide:
             cached = self._stl_guide = (guide, stick_the_landing(guide))
@@ -219,10 +231,6 @@ class _Adaptive:
         r"""The loss whose gradient is :math:`p + b \odot c`; every call measures and is a
         step of the moments (call it once per step)."""
         return self._measure(model, guide, args, kwargs, differentiable=True)
-
-    def _cv_grads(self, item, params, blocks, seen, retain: bool) -> dict:
-        """``{param: c}`` of one trace pair (loss space)."""
-        raise NotImplementedError
 
     def _measure(self, model, guide, args, kwargs, differentiable: bool = False):
         r"""A step that forms both parts and applies :math:`p + b \odot c` (into ``.grad``, or
@@ -251,31 +259,24 @@ class _Adaptive:
                         gs = routing.grad(
                             raw, params, block=blocks, retain_graph=True, strict=False
                         )
-                        for p, g in zip(params, gs):
-                            g_path[p] = g if p not in g_path else g_path[p] + g
+                        _add(g_path, zip(params, gs))
                     else:
                         own(params)
-                        if blocks:
-                            routing.backward(raw, block=blocks, retain_graph=True, strict=False)
-                        else:
-                            sum(raw.values()).backward(retain_graph=True)
+                        routing.backward(raw, block=blocks, retain_graph=True, strict=False)
                 retain = differentiable or bool(self.retain_graph)
-                for p, g in self._cv_grads(item, params, blocks, seen, retain).items():
-                    g_cv[p] = g if p not in g_cv else g_cv[p] + g
+                _add(g_cv, self._cv_grads(item, params, blocks, seen, retain).items())
                 del item, terms, raw
             names = {p: _param_name(p) for p in g_cv}
             order = sorted(g_cv, key=names.__getitem__)  # the same order on every rank
             keys = [names[p] for p in order]
-            if differentiable:
-                paths = [g_path.get(p, torch.zeros_like(p)) for p in order]
-            else:
-                paths = [torch.zeros_like(p) if p.grad is None else p.grad for p in order]
+            if not differentiable:
+                g_path = {p: p.grad for p in order if p.grad is not None}
+            paths = [g_path.get(p, torch.zeros_like(p)) for p in order]
             cvs = [g_cv[p] for p in order]
             linear = None
             if order:  # this step's weights come from earlier steps only
-                for p, path, b, c in zip(
-                    order, paths, self.schedule.weights(self.control_variate, keys, order), cvs
-                ):
+                cv, sch = self.control_variate, self.schedule
+                for p, path, b, c in zip(order, paths, sch.weights(cv, keys, order), cvs):
                     if differentiable:
                         term = (b * c).detach().mul(p).sum()
                         linear = term if linear is None else linear + term
@@ -283,7 +284,12 @@ class _Adaptive:
                         p.grad = torch.addcmul(path, b, c)
                 if _ranks(self._distributed) > 1:
                     paths, cvs = _mean_over_ranks(order, paths, cvs)
-                self._update(keys, order, paths, cvs, routed, one_pass)
+                p, c = cv.update(keys, paths, cvs)
+                if sch.mix_gain is not None:  # what a direct step at the gate's endpoint applies
+                    sch.gate.update(p if sch.gate.e == 0.0 else p + sch.gate.e * c)
+                sch.measured(cv.key(keys, order), _layout(keys, order), routed)
+                if sch.one_pass is None:
+                    sch.one_pass = one_pass
         if not differentiable:
             warn_if_nan(loss, "loss")
             return loss
@@ -293,15 +299,6 @@ class _Adaptive:
             surrogate = surrogate + (linear - linear.detach())
         warn_if_nan(surrogate, "loss")
         return loss + (surrogate - surrogate.detach())
-
-    def _update(self, keys, order, paths, cvs, routed, one_pass) -> None:
-        sch = self.schedule
-        p, c = self.control_variate.update(keys, paths, cvs)
-        if sch.mix_gain is not None:  # what a direct step at the gate's endpoint applies
-            sch.gate.update(p if sch.gate.e == 0.0 else p + sch.gate.e * c)
-        sch.measured(self.control_variate.key(keys, order), _layout(keys, order), routed)
-        if sch.one_pass is None:
-            sch.one_pass = one_pass
 
 
 # ----------------------------------------------------------------------------- STL
@@ -317,30 +314,25 @@ class TraceAdaptiveSTL_ELBO(_Adaptive, TraceSTL_ELBO):
         c = -\nabla_\phi \log q(\bot(z); \phi),
 
     with :math:`z = g(\epsilon; \phi)` and :math:`\bot` stop-gradient (for a conditional
-    guide every sample is held fixed in :math:`c`). :math:`\mathbb E[c] = 0` for every
-    :math:`\phi`, so with :math:`b` computed from earlier steps only,
-    :math:`\mathbb E[g(b) \mid \text{past}] = \nabla_\phi(-\text{ELBO})`: **every step is
-    unbiased**, whatever :math:`b` is. :math:`b = 1` is ``Trace_ELBO``, :math:`b = 0` STL, and
-    :math:`b^\star = -\operatorname{Cov}(p, c)/\operatorname{Var}(c)` has the smallest variance
-    of all. :math:`b` starts at 1 (the first step is ``Trace_ELBO``'s) and moves towards the
-    fitted :math:`\hat b` per element only as far as ``confidence`` standard errors allow
-    (:class:`~pyro_gradroute.infer.control_variate.ControlVariate`). With
-    :math:`|b - b^\star| \le |e^\star - b^\star|` the step's variance is at most the better
-    endpoint's :math:`e^\star`; this is a statistical statement (error :math:`s`, lagging when
-    :math:`b^\star` moves faster than the window ``decay``).
+    guide every sample is held fixed in :math:`c`). :math:`\mathbb E[c] = 0`, so with :math:`b`
+    from earlier steps only **every step is unbiased**, whatever :math:`b` is. :math:`b = 1` is
+    ``Trace_ELBO``, :math:`b = 0` STL, and :math:`b^\star = -\operatorname{Cov}(p,
+    c)/\operatorname{Var}(c)` has the smallest variance. :math:`b` starts at 1 (the first step is
+    ``Trace_ELBO``'s) and moves towards the fitted :math:`\hat b` per element only as far as
+    ``confidence`` standard errors allow
+    (:class:`~pyro_gradroute.infer.control_variate.ControlVariate`): with :math:`|b - b^\star|
+    \le |e^\star - b^\star|` the step's variance is at most the better endpoint's (a statistical
+    statement, lagging when :math:`b^\star` moves faster than the window ``decay``).
 
-    **Steps.** A *direct* step is one endpoint's estimator, at its cost: Pyro's
-    ``Trace_ELBO`` on ``guide``, or on ``stick_the_landing(guide)``. A *measured* step forms
-    both parts: in one backward where every guide site with a score part is a plain ``Normal``
-    (:func:`~pyro_gradroute.distributions.normal.normal_sites`; its score part is then
-    closed-form at the ``Normal``'s parameters, and the moments are kept per element of them,
-    named ``"<site>.loc"``, ``"<site>.scale"``), else with a second backward of the score parts.
-    :class:`~pyro_gradroute.infer.schedule.Schedule` picks the kind from earlier steps
-    (``mix_gain``, ``schedule``). ``differentiable_loss`` and distributed runs measure every
-    step. ``block_grad`` routes apply to both parts. A parameter of the last measured step that
-    changes shape or leaves the param store starts the estimator again at ``Trace_ELBO``. The
-    state survives ``pickle``, ``deepcopy``, ``torch.save`` and ``state_dict`` (each copy takes
-    the same next steps).
+    **Steps** (:class:`~pyro_gradroute.infer.schedule.Schedule`, from earlier steps). A *direct*
+    step is Pyro's ``Trace_ELBO`` on ``guide`` or on ``stick_the_landing(guide)``. A *measured*
+    step forms both parts: in one backward where every guide site with a score part is a plain
+    ``Normal`` (:func:`~pyro_gradroute.distributions.normal.normal_sites`; moments per element
+    of its parameters, named ``"<site>.loc"``, ``"<site>.scale"``), else with a second backward.
+    ``differentiable_loss`` and distributed runs measure every step. ``block_grad`` routes apply
+    to both parts. A parameter of the last measured step that changes shape or leaves the param
+    store starts again at ``Trace_ELBO``. The state survives ``pickle``, ``deepcopy``,
+    ``torch.save`` and ``state_dict`` (each copy takes the same next steps).
 
     Example::
 
@@ -376,15 +368,14 @@ class TraceAdaptiveSTL_ELBO(_Adaptive, TraceSTL_ELBO):
     :param mix_gain: ``None``: every step measures; a number :math:`\ge 1`: steps take the
         better endpoint directly while its predicted second moment is within ``mix_gain`` of
         the fitted mix's, and while the gate bounds any weights' gain below it; ``math.inf``:
-        never mix, a measured switch between the whole estimators (every step is
-        ``Trace_ELBO``'s or STL's on the same draws).
-    :param schedule: a :class:`~pyro_gradroute.infer.schedule.ScheduleConfig` (the schedule's
-        constants).
+        a measured switch between the whole estimators (never a mix).
+    :param schedule: a :class:`~pyro_gradroute.infer.schedule.ScheduleConfig`.
 
     Other arguments are :class:`pyro.infer.Trace_ELBO`'s.
     """
 
     _PYRO = _PyroTrace_ELBO  # Pyro's estimator whose steps the direct and one-pass steps are
+    _PYRO_PARTICLES = staticmethod(trace_elbo_particles)
 
     def __init__(
         self,
@@ -433,15 +424,13 @@ class TraceAdaptiveSTL_ELBO(_Adaptive, TraceSTL_ELBO):
             own(params)
             loss = self._endpoint(step.end, model, guide, args, kwargs)
             if params:
-                zero = torch.zeros_like
-                sch.gate.update(
-                    torch.cat([(zero(p) if p.grad is None else p.grad).reshape(-1) for p in params])
-                )
+                sch.gate.update(_flat_grad(params))
         return loss
 
     def _endpoint(self, end: float, model, guide, args, kwargs) -> float:
         """Pyro's estimator on ``guide`` (``end = 1``) or on ``stick_the_landing(guide)``; where
-        the last measured step had ``block_grad`` routes, this package's routed ones."""
+        the last measured step had ``block_grad`` routes, this package's routed ones (which
+        route REINFORCE terms per site)."""
         if self.schedule.routed:
             if end == 1.0:
                 return self._routed_trace.loss_and_grads(model, guide, *args, **kwargs)
@@ -454,63 +443,42 @@ class TraceAdaptiveSTL_ELBO(_Adaptive, TraceSTL_ELBO):
     def _sync(self) -> None:
         self._pyro.max_plate_nesting = self.max_plate_nesting
 
-    def _particles(self, model, guide, args, kwargs):
-        """``(model_trace, guide_trace, loss, surrogate)`` per particle of Pyro's estimator."""
-        self._sync()
-        return trace_elbo_particles(self._pyro, model, guide, args, kwargs)
-
     def _not_one_pass(self, why: str) -> None:
         """A trace the one-pass step cannot take; here the step stays ``Trace_ELBO``'s."""
 
     def _one_pass(self, model, guide, args, kwargs) -> float:
         r"""A measured step in one backward: Pyro's step, with a tap at each guide site's
-        :math:`\theta = (\mu, \sigma)` that reads :math:`t = p + c` there (:math:`c` closed-form,
-        :func:`~pyro_gradroute.distributions.normal.normal_score`) and sends on
-        :math:`t + (b - 1) c`. Where a trace does not qualify the step is ``Trace_ELBO``'s
-        (nothing measured) and later measured steps take the two-backward path."""
+        :math:`\theta = (\mu, \sigma)` that reads :math:`t = p + c` there (:math:`c` closed-form)
+        and sends on :math:`t + (b - 1) c`. Where a trace does not qualify the step is
+        ``Trace_ELBO``'s (nothing measured) and later measured steps take two backwards."""
         sch, cv, n = self.schedule, self.control_variate, self.num_particles
-        loss, ok, keys, bs, feed, routed, const, key = 0.0, True, None, None, False, False, 1.0, ""
+        loss, ok, keys, routed = 0.0, True, None, False
         acc: dict[str, list] = {}
         params: dict[str, torch.Tensor] = {}
+        self._sync()
         with _own_grads() as own:
-            for model_trace, guide_trace, loss_p, surrogate in self._particles(
-                model, guide, args, kwargs
+            for model_trace, guide_trace, loss_p, surrogate in self._PYRO_PARTICLES(
+                self._pyro, model, guide, args, kwargs
             ):
                 self._refuse_enumeration(model_trace, guide_trace)
                 loss += loss_p / n
                 blocks = collect_blocks(model_trace, guide_trace)
                 routed = routed or bool(blocks)
-                sites = (
-                    ("block_grad routes" if blocks else normal_sites(guide_trace)) if ok else None
-                )
-                if ok and isinstance(sites, str):
-                    self._not_one_pass(sites)
-                ok = isinstance(sites, list)
-                parts = []
+                parts = _normal_parts(blocks, guide_trace, n) if ok else None
+                if isinstance(parts, str):
+                    self._not_one_pass(parts)
+                    parts = None
+                if parts is not None and keys is None:  # the first trace fixes the weights
+                    keys, cs = [k for k, _, _ in parts], [c for _, _, c in parts]
+                    key = cv.key(keys, cs) if keys else ""
+                    const = sch.constant(cv, key)
+                    feed = sch.mix_gain is not None and const == sch.gate.e
+                    bs = sch.weights(cv, keys, cs) if const != 1.0 and keys else [None] * len(keys)
+                ok = parts is not None and [k for k, _, _ in parts] == keys
                 if ok:
-                    for name, base, nd, transforms in sites:
-                        site = guide_trace.nodes[name]
-                        value = site["value"].detach()
-                        for t in reversed(transforms):  # the Normal's own draw
-                            value = t.inv(value)
-                        for part, t, c in normal_score(
-                            base, nd, value, site["scale"], site["mask"]
-                        ):
-                            parts.append((f"{name}.{part}", t, c / n if n > 1 else c))
-                    parts.sort(key=lambda x: x[0])
-                    names = [k for k, _, _ in parts]
-                    if keys is None:
-                        keys = names
-                        key = cv.key(keys, [c for _, _, c in parts]) if keys else ""
-                        const = sch.constant(cv, key)
-                        feed = sch.mix_gain is not None and const == sch.gate.e
-                        if const != 1.0 and keys:
-                            bs = sch.weights(cv, keys, [c for _, _, c in parts])
-                    ok = names == keys
-                if ok:
-                    for p in _trace_params(guide_trace):
-                        params[_param_name(p)] = p
-                        own([p])  # the step's own gradient, for the gate
+                    ps = _trace_params(guide_trace)
+                    params.update((_param_name(p), p) for p in ps)
+                    own(ps)  # the step's own gradient, for the gate
                 if not getattr(surrogate, "requires_grad", False) or not _trace_params(
                     model_trace, guide_trace
                 ):
@@ -526,12 +494,11 @@ class TraceAdaptiveSTL_ELBO(_Adaptive, TraceSTL_ELBO):
                         terms, block=blocks, retain_graph=self._pyro.retain_graph, strict=False
                     )
                     continue
-                entries = []
-                if ok:
-                    entries = [
-                        (t, None if const == 1.0 else (b - 1) * c)
-                        for (_, t, c), b in zip(parts, bs or [None] * len(parts))
-                    ]
+                entries = (
+                    [(t, None if b is None else (b - 1) * c) for (_, t, c), b in zip(parts, bs)]
+                    if ok
+                    else []
+                )
                 with routing.taps(entries) as seen:
                     (surrogate / n).backward(retain_graph=self._pyro.retain_graph)
                 if ok and entries:
@@ -546,13 +513,11 @@ class TraceAdaptiveSTL_ELBO(_Adaptive, TraceSTL_ELBO):
                 if sch.key is not None and sch.key != key:
                     cv.forget(sch.key)  # the two-backward path's state (a first step)
                 cv.update(keys, [acc[k][0] for k in keys], [acc[k][1] for k in keys])
-                ps = [params[k] for k in sorted(params)]
-                sch.measured(key, _layout(sorted(params), ps), routed)
+                names = sorted(params)
+                ps = [params[k] for k in names]
+                sch.measured(key, _layout(names, ps), routed)
                 if feed and ps:  # the step's own gradient, in the layout's order
-                    gs = [
-                        (torch.zeros_like(p) if p.grad is None else p.grad).reshape(-1) for p in ps
-                    ]
-                    sch.gate.update(torch.cat(gs))
+                    sch.gate.update(_flat_grad(ps))
                 sch.one_pass = True
             elif not ok:
                 sch.one_pass = False  # later measured steps: the two-backward path
@@ -562,7 +527,6 @@ class TraceAdaptiveSTL_ELBO(_Adaptive, TraceSTL_ELBO):
         refuse_model_enumeration(self, model_trace, guide_trace)
 
     def _particle_terms(self, model_trace, guide_trace, blocks=None) -> tuple[float, Terms]:
-        self._refuse_enumeration(model_trace, guide_trace)
         elbo, terms = super()._particle_terms(model_trace, guide_trace, blocks)
         if torch.is_grad_enabled():
             scores = []
@@ -595,15 +559,12 @@ class TraceEnumAdaptiveSTL_ELBO(TraceAdaptiveSTL_ELBO):
     enumerated sites are summed out exactly, and the continuous guide's gradient is
     :math:`p + b \odot c` (unbiased for any :math:`b` from earlier steps).
 
-    Direct steps are ``TraceEnum_ELBO``'s on ``guide`` (:math:`b = 1`) or on
-    ``stick_the_landing(guide)`` (:math:`b = 0`); measured steps take one backward, so every
-    guide site with a score part must be a plain ``Normal``
-    (:func:`~pyro_gradroute.distributions.normal.normal_sites`: ``AutoNormal``,
-    ``AutoDiagonalNormal``, mean-field guides); another raises a ``ValueError`` naming the
-    site. ``loss`` is ``TraceEnum_ELBO``'s, and every method's value equals
-    ``TraceEnum_ELBO``'s on the same seed. ``differentiable_loss`` is the current endpoint's
-    ``TraceEnum_ELBO.differentiable_loss`` (it does not measure). ``block_grad`` routes,
-    vectorized particles and distributed runs raise, naming what to use.
+    Direct steps are ``TraceEnum_ELBO``'s on ``guide`` or ``stick_the_landing(guide)``;
+    measured steps take one backward, so every guide site with a score part must be a plain
+    ``Normal`` (``AutoNormal``, ``AutoDiagonalNormal``, mean-field guides; another raises a
+    ``ValueError`` naming the site). Every method's value equals ``TraceEnum_ELBO``'s on the
+    same seed; ``differentiable_loss`` is the current endpoint's (it does not measure).
+    ``block_grad`` routes, vectorized particles and distributed runs raise, naming what to use.
 
     Example::
 
@@ -630,6 +591,7 @@ class TraceEnumAdaptiveSTL_ELBO(TraceAdaptiveSTL_ELBO):
     """
 
     _PYRO = _PyroTraceEnum_ELBO
+    _PYRO_PARTICLES = staticmethod(trace_enum_elbo_particles)
 
     def __init__(
         self, num_particles: int = 1, max_plate_nesting: float = math.inf, *args, **kwargs
@@ -650,18 +612,13 @@ class TraceEnumAdaptiveSTL_ELBO(TraceAdaptiveSTL_ELBO):
         self._sync()
         return self._pyro.loss(model, guide, *args, **kwargs)
 
-    def loss_and_grads(self, model, guide, *args, **kwargs) -> float:
+    def _measure(self, model, guide, args, kwargs, differentiable: bool = False):
         if _ranks(self._distributed) > 1:
             raise NotImplementedError(
                 f"{type(self).__name__} does not average its parts over ranks; use "
                 "pyro.infer.TraceEnum_ELBO with the guide under stick_the_landing, or one process"
             )
-        sch, cv = self.schedule, self.control_variate
-        sch.check(cv, param_store_leaves())
-        step = sch.decide(cv)
-        if not step.measure:
-            return self._direct(step, model, guide, args, kwargs)
-        return self._one_pass(model, guide, args, kwargs)
+        return self._one_pass(model, guide, args, kwargs)  # every measured step takes one pass
 
     def differentiable_loss(self, model, guide, *args, **kwargs) -> torch.Tensor:
         end = self.schedule.endpoint(self.control_variate)[0]
@@ -681,10 +638,6 @@ class TraceEnumAdaptiveSTL_ELBO(TraceAdaptiveSTL_ELBO):
     def _sync(self) -> None:
         if self.max_plate_nesting != math.inf:  # (else TraceEnum_ELBO keeps the one it guessed)
             self._pyro.max_plate_nesting = self.max_plate_nesting
-
-    def _particles(self, model, guide, args, kwargs):
-        self._sync()
-        return trace_enum_elbo_particles(self._pyro, model, guide, args, kwargs)
 
     def _endpoint(self, end: float, model, guide, args, kwargs) -> float:
         self._sync()

@@ -10,9 +10,10 @@ from pyro.poutine import Trace
 
 from .. import routing
 from .._compat import set_unquantized, unquantized
+from .._validation import check_float, check_int
 from ..distributions.detached import is_delta
 from ..poutine.pathwise import DeltaDensityError
-from ..poutine.stick_the_landing_messenger import PathwiseDistribution, StickTheLandingMessenger
+from ..poutine.stick_the_landing_messenger import StickTheLandingMessenger
 from ..poutine.stl_policy import STLPolicy
 from ..routing import reaches_leaf_directly
 from .elbo import EXTRA, RoutedELBO, Terms, _joint_blocks, add_term, collect_blocks
@@ -20,12 +21,8 @@ from .traces import PATHWISE, get_split_importance_trace, refuse_model_enumerati
 
 
 def _gate(guide_trace: Trace) -> Trace:
-    """The trace whose values the model replays: each differentiable value read through a view.
-
-    The view's autograd node is where the factor of the value's gradient is applied once
-    the importance weights are known (:func:`_scale_gradient`); the guide's own uses of
-    the value (a conditional site, its log-density) do not pass through it.
-    """
+    """The trace whose values the model replays: each differentiable value read through a view,
+    whose node :func:`_scale_gradient` hooks (the guide's own uses of the value bypass it)."""
     trace = guide_trace.copy()
     for name, site in guide_trace.nodes.items():
         value = site.get("value")
@@ -65,22 +62,12 @@ def _sum_dependent(t: torch.Tensor, dims) -> torch.Tensor:
     return t.sum(dims, keepdim=True) if dims else t
 
 
-def _sample_sites(*traces):
-    return [s for t in traces for s in t.nodes.values() if s["type"] == "sample"]
-
-
 def common_plate_scale(sites) -> float:
     """The subsampling scale ``N / b`` of the plates that hold every site (1 without subsampling)."""
     stacks = [{f.name: f for f in s["cond_indep_stack"] if f.vectorized} for s in sites]
-    if not stacks:
-        return 1.0
-    common = set(stacks[0]).intersection(*stacks[1:])
-    scale = 1.0
-    for name in common:
-        f = stacks[0][name]
-        if f.full_size is not None and f.full_size != f.size:
-            scale *= f.full_size / f.size
-    return scale
+    common = [stacks[0][n] for n in set(stacks[0]).intersection(*stacks[1:])] if stacks else []
+    scales = (f.full_size / f.size for f in common if f.full_size not in (None, f.size))
+    return math.prod(scales, start=1.0)
 
 
 def _inner_scale(site, outer: float):
@@ -90,10 +77,6 @@ def _inner_scale(site, outer: float):
     if mask is not None and mask is not True:
         c = c * (mask if torch.is_tensor(mask) else float(mask))
     return c
-
-
-def _base(fn):
-    return fn.base_dist if type(fn) is PathwiseDistribution else fn
 
 
 class _EverySite(STLPolicy):
@@ -127,56 +110,42 @@ class TraceDReG_ELBO(RoutedELBO):
       to :class:`pyro.infer.RenyiELBO` with the same ``alpha`` on the same samples
       (subsampling: see below);
     * model parameters get :math:`\nabla_\theta L = \sum_k \tilde w_k \nabla_\theta \log w_k`;
-    * guide parameters get the doubly-reparameterized gradient.
-
-    **Derivation.** :math:`\nabla_\phi L = \sum_k \tilde w_k \nabla_\phi \log w_k` and, for
-    the draw :math:`z_k`, :math:`\nabla_\phi \log w_k = \partial_z \log w_k \, \partial_\phi z_k
-    - \partial_\phi \log q_\phi(z_k)|_{z_k}`. The last (score) part is replaced with the
-    reparameterization identity :math:`\mathbb E[f(z)\, \partial_\phi \log q_\phi(z)] =
-    \mathbb E[\partial_z f \, \partial_\phi z]` applied to :math:`f = \tilde w_k`, whose
-    derivative is :math:`\partial_z \tilde w_k = \beta \tilde w_k (1 - \tilde w_k)
-    \partial_z \log w_k`. A guide log-density enters the log-weights with a scale :math:`c`
-    (``poutine.scale``, a mask, a subsampled plate that does not hold every site), so its
-    score part carries :math:`c` too. Altogether, the gradient through a draw is
+    * guide parameters get the doubly-reparameterized gradient: through a draw whose
+      log-density enters the log-weights with scale :math:`c` (``poutine.scale``, a mask, a
+      subsampled plate that does not hold every site)
 
     .. math::
 
         \sum_k \tilde w_k \big(1 - c\beta + c\beta\, \tilde w_k\big)\,
         \frac{\partial \log w_k}{\partial z_k}\bigg|_{\bot(\phi)}
-        \frac{\partial z_k}{\partial \phi},
+        \frac{\partial z_k}{\partial \phi}.
 
-    which is :math:`\sum_k (\alpha \tilde w_k + \beta \tilde w_k^2)(\dots)` at :math:`c = 1`
-    (the VR-IWAE estimator of Daudel, Benton, Shi & Doucet, 2023) and Tucker et al.'s
-    :math:`\sum_k \tilde w_k^2 (\dots)` at :math:`\alpha = 0`. It is unbiased for
-    :math:`\nabla_\phi L`, and at an exact posterior (:math:`\log w_k` constant) it is zero.
-    A path that reaches a parameter through no random draw (the value of an ``AutoDelta``
-    site) has no score part: it keeps the factor :math:`\tilde w_k`.
+    **Derivation.** In :math:`\nabla_\phi L = \sum_k \tilde w_k (\partial_z \log w_k \,
+    \partial_\phi z_k - c\, \partial_\phi \log q_\phi(z_k)|_{z_k})` the score part is replaced
+    by the identity :math:`\mathbb E[f\, \partial_\phi \log q_\phi(z)] = \mathbb E[\partial_z f
+    \, \partial_\phi z]` at :math:`f = \tilde w_k`, :math:`\partial_z \tilde w_k = \beta \tilde
+    w_k (1 - \tilde w_k) \partial_z \log w_k`. Unbiased for :math:`\nabla_\phi L` and zero at
+    an exact posterior; at :math:`c = 1` it is VR-IWAE (Daudel, Benton, Shi & Doucet, 2023),
+    :math:`\sum_k (\alpha \tilde w_k + \beta \tilde w_k^2)(\dots)`, at :math:`\alpha = 0`
+    Tucker et al.'s :math:`\sum_k \tilde w_k^2 (\dots)`. A path that reaches a parameter
+    through no random draw (an ``AutoDelta`` value) keeps the factor :math:`\tilde w_k`.
 
-    **How.** One model pass, one guide pass and one backward for all particles. Model
-    terms are weighted :math:`\bot(\tilde w_k)`; the model reads each guide value through a
-    node that multiplies its gradient by the value's factor
-    :math:`1 - c\beta + c\beta\tilde w_k` (1 for a parameter-only Delta value); guide
-    terms are the pathwise parts of :func:`~pyro_gradroute.distributions.split_log_prob`
-    (parameters stopped; for a conditional guide :math:`q(z_2 \mid z_1)` the path
-    through :math:`z_1` is kept at any depth) weighted by :math:`\tilde w_k` times that
-    factor. With ``num_particles=1`` the gradient is :class:`TraceSTL_ELBO`'s.
+    One model pass, one guide pass and one backward for all particles (for a conditional guide
+    the path through earlier draws is kept at any depth). With ``num_particles=1`` the
+    gradient is :class:`TraceSTL_ELBO`'s.
 
-    **Subsampling.** Weights are per element of the plates that hold every site (a VAE's
-    data plate: one bound per data point). When such a plate is subsampled, its scale
-    :math:`N/b` is taken *out* of the log-mean-exp (per-point bounds from log-densities
-    without it, then multiplied by :math:`N/b`, as NumPyro's ``RenyiELBO`` does): the loss
-    is then an unbiased minibatch estimate of the full-data bound. Pyro's ``RenyiELBO``
-    keeps that scale inside the log-weights, which tempers the bound; without
-    subsampling the two are equal.
+    **Subsampling.** Weights are per element of the plates that hold every site (one bound per
+    data point of a VAE). A subsampled such plate's scale :math:`N/b` is taken *out* of the
+    log-mean-exp, as in NumPyro's ``RenyiELBO``: the loss is an unbiased minibatch estimate of
+    the full-data bound (Pyro's ``RenyiELBO`` keeps it inside, a tempered bound; without
+    subsampling the two are equal).
 
-    **Not covered** (each raises a ``ValueError`` naming the site): a guide site without
-    ``rsample`` whose density depends on parameters (auxiliary sites included), a
-    distribution with its own score-function term (``Rejector``), a Delta whose
-    ``log_density`` depends on parameters directly (other than ``AutoStructured``'s and
-    ``AutoGaussian``'s, whose Deltas and auxiliary draws are taken as one reparameterized
-    draw of the joint :math:`q(z)`), a Delta value that depends both on draws and directly
-    on parameters, and a conditional link between draws whose scales differ. Use
-    :class:`pyro.infer.RenyiELBO` there.
+    **Not covered** (each a ``ValueError`` naming the site; use :class:`pyro.infer.RenyiELBO`):
+    a guide site without ``rsample`` whose density reads parameters (auxiliary sites
+    included), a distribution with its own score-function term (``Rejector``), a Delta whose
+    ``log_density`` reads parameters directly (``AutoStructured`` and ``AutoGaussian`` are
+    covered: one reparameterized draw of the joint :math:`q(z)`), a Delta value that reads
+    draws and parameters directly, and a conditional link between draws of different scales.
 
     Example::
 
@@ -198,11 +167,9 @@ class TraceDReG_ELBO(RoutedELBO):
 
     :param num_particles: :math:`K`.
     :param vectorize_particles: draw the particles in one vectorized pass (default).
-        ``False`` draws them in a loop, as :class:`pyro.infer.RenyiELBO` does by default:
-        for a model that does not vectorize over particles (for instance one that applies
-        ``torch.nn.Linear`` to a sampled weight). The loop's loss and gradients are those of
-        the vectorized pass on the same draws; it costs ``num_particles`` model and guide
-        passes.
+        ``False`` draws them in a loop, as :class:`pyro.infer.RenyiELBO` does by default (a
+        model that does not vectorize over particles), with the vectorized pass's loss and
+        gradients on the same draws.
     :param alpha: the Renyi order (default 0: IWAE); ``alpha=1`` (the ELBO) is
         :class:`TraceSTL_ELBO`.
     """
@@ -214,27 +181,21 @@ class TraceDReG_ELBO(RoutedELBO):
         alpha: float = 0.0,
         **kwargs,
     ):
-        if alpha == 1:
+        where = type(self).__name__
+        num_particles = check_int(num_particles, "num_particles", where, minimum=1)
+        self.alpha = check_float(alpha, "alpha", where)
+        if self.alpha == 1:
             raise ValueError(
                 "TraceDReG_ELBO: alpha=1 is the ELBO itself (the Renyi bound's limit), for which "
                 "the doubly-reparameterized gradient is sticking the landing: use TraceSTL_ELBO."
             )
-        if not math.isfinite(float(alpha)):
-            raise ValueError(f"TraceDReG_ELBO: alpha must be a finite number, got {alpha}")
-        if isinstance(num_particles, bool) or not (
-            isinstance(num_particles, int) and num_particles >= 1
-        ):
-            raise ValueError(
-                f"{type(self).__name__}: num_particles must be an integer >= 1, got {num_particles!r}"
-            )
-        self.alpha = float(alpha)
         if (
             num_particles > 1
             and not vectorize_particles
             and type(self)._particle_terms is not TraceDReG_ELBO._particle_terms
         ):
             raise ValueError(
-                f"{type(self).__name__} draws its {num_particles} particles in one vectorized "
+                f"{where} draws its {num_particles} particles in one vectorized "
                 "pass only: use vectorize_particles=True, or TraceDReG_ELBO(num_particles=..., "
                 "vectorize_particles=False) for a model that does not vectorize over particles."
             )
@@ -244,7 +205,7 @@ class TraceDReG_ELBO(RoutedELBO):
         super().__init__(
             num_particles=num_particles, vectorize_particles=vectorize_particles, **kwargs
         )
-        self._handler = StickTheLandingMessenger(_policy=_EverySite(type(self).__name__))
+        self._handler = StickTheLandingMessenger(_policy=_EverySite(where))
 
     # the weightings that distinguish IWAE-DReG from RWS-DReG
     def _draw_factor(self, w: torch.Tensor, c) -> torch.Tensor:
@@ -303,7 +264,7 @@ class TraceDReG_ELBO(RoutedELBO):
         for model_trace, guide_trace in pairs:
             for key, blocked in collect_blocks(model_trace, guide_trace).items():
                 blocks[key] = {**blocks.get(key, {}), **blocked}
-        elbo, terms = self._weighted_terms(pairs, vectorized=False)
+        elbo, terms = self._weighted_terms(pairs)
         blocks = _joint_blocks(terms, blocks)
         trainable = any(
             site["type"] == "param" for pair in pairs for t in pair for site in t.nodes.values()
@@ -315,25 +276,23 @@ class TraceDReG_ELBO(RoutedELBO):
         for name, site in guide_trace.nodes.items():
             if site["type"] != "sample" or site["is_observed"]:
                 continue
-            fn = _base(site["fn"])
+            fn = site["fn"]
             parts = site["score_parts"]
             if not getattr(fn, "has_rsample", False):
                 if torch.is_tensor(parts.log_prob) and parts.log_prob.requires_grad:
                     raise ValueError(
-                        f"Guide site '{name}' ({type(fn).__name__}) is not reparameterized: "
-                        "doubly-reparameterized gradients need a pathwise derivative through every "
-                        "guide sample that depends on parameters (auxiliary sites included). Use a "
-                        "family with rsample for this site, or pyro.infer.RenyiELBO(alpha=0) / "
-                        "pyro.infer.ReweightedWakeSleep."
+                        f"Guide site '{name}' ({type(fn).__name__}) is not reparameterized, and "
+                        "DReG needs a pathwise derivative through every guide sample that reads "
+                        "parameters (auxiliary sites included). Use a family with rsample, or "
+                        "pyro.infer.RenyiELBO(alpha=0) / pyro.infer.ReweightedWakeSleep."
                     )
                 continue
             sf = parts.score_function
             if torch.is_tensor(sf) and sf.requires_grad:
                 raise ValueError(
                     f"Guide site '{name}' ({type(fn).__name__}) has its own score-function term "
-                    "(e.g. a rejection sampler's acceptance correction), which the "
-                    "doubly-reparameterized identity does not cover. Use pyro.infer.RenyiELBO"
-                    "(alpha=0) for this guide, or a family with a plain rsample."
+                    "(a rejection sampler's), which DReG does not cover. Use "
+                    "pyro.infer.RenyiELBO(alpha=0), or a family with a plain rsample."
                 )
 
     def _site_factors(self, guide_sites, w, outer) -> dict:
@@ -344,9 +303,7 @@ class TraceDReG_ELBO(RoutedELBO):
         draws = {
             n
             for n, s in guide_sites.items()
-            if torch.is_tensor(s["value"])
-            and s["value"].requires_grad
-            and not is_delta(_base(s["fn"]))
+            if torch.is_tensor(s["value"]) and s["value"].requires_grad and not is_delta(s["fn"])
         }
         # a structured guide (AutoStructured, AutoGaussian): its Deltas and auxiliary draws
         # are one reparameterized draw of the joint q(z) (see distributions.structured)
@@ -357,30 +314,22 @@ class TraceDReG_ELBO(RoutedELBO):
                 raise ValueError(
                     f"{type(self).__name__}: guide site '{n}' belongs to "
                     f"{type(records[n].owner).__name__}, whose wake-phase (KL(p || q)) update "
-                    "is not supported by this estimator. Use TraceDReG_ELBO (the IWAE bound) or "
-                    "TraceSTL_ELBO with this guide."
+                    "is not supported. Use TraceDReG_ELBO or TraceSTL_ELBO with this guide."
                 )
             if records[n].point and self.num_particles > 1:
                 raise ValueError(
                     f"{type(self).__name__}: guide site '{n}' is an AutoStructured 'delta' "
-                    "conditional: its value depends both on parameters directly and on the "
-                    "guide's random draws (through its dependencies), whose "
-                    "doubly-reparameterized weights differ. Use the 'normal' or 'mvn' "
-                    "conditional for it, or pyro.infer.RenyiELBO(alpha=0) with this guide."
+                    "conditional, whose value reads parameters and random draws (paths whose "
+                    "DReG weights differ). Use its 'normal' or 'mvn' conditional, or "
+                    "pyro.infer.RenyiELBO(alpha=0)."
                 )
         draws |= {n for n in structured if not records[n].point}
-        factors: dict = {}
-        for n in draws:
-            factors[n] = self._draw_factor(w, c[n])
+        factors = {n: self._draw_factor(w, c[n]) for n in draws}
         uniform = all(_same(c[a], c[b]) for a in draws for b in draws)
         for n, site in guide_sites.items():
             rec = records.get(n)
-            if (
-                rec is None
-                or n in draws
-                or not torch.is_tensor(site["value"])
-                or not site["value"].requires_grad
-            ):
+            value = site["value"]
+            if rec is None or n in draws or not (torch.is_tensor(value) and value.requires_grad):
                 continue
             reached = [
                 by_value[id(rec.upstream[i])] for i in routing.reached(rec.value, rec.upstream)
@@ -388,10 +337,9 @@ class TraceDReG_ELBO(RoutedELBO):
             direct = reaches_leaf_directly(rec.value, rec.upstream)
             if reached and direct:
                 raise ValueError(
-                    f"{type(self).__name__}: guide site '{n}' is a Delta whose value depends both "
-                    f"on random draws ({reached}) and on guide parameters directly; the "
-                    "doubly-reparameterized weights differ along those paths and cannot be "
-                    "applied to the value. Use pyro.infer.RenyiELBO(alpha=0) with this guide."
+                    f"{type(self).__name__}: guide site '{n}' is a Delta whose value reads random "
+                    f"draws ({reached}) and guide parameters directly (paths whose DReG weights "
+                    "differ). Use pyro.infer.RenyiELBO(alpha=0) with this guide."
                 )
             if not reached:
                 factors[n] = self._param_factor(w)
@@ -424,33 +372,29 @@ class TraceDReG_ELBO(RoutedELBO):
     def _log_weights(self, model_trace, guide_trace):
         """``(log_w, outer, model_sites, guide_sites)`` of one trace pair (``log_w`` detached)."""
         self._check_sites(guide_trace)
-        sites = _sample_sites(model_trace, guide_trace)
-        sum_dims = get_dependent_plate_dims(sites)
-        outer = common_plate_scale(sites)
         model_sites = {n: s for n, s in model_trace.nodes.items() if s["type"] == "sample"}
         guide_sites = {n: s for n, s in guide_trace.nodes.items() if s["type"] == "sample"}
+        sites = [*model_sites.values(), *guide_sites.values()]
+        sum_dims = get_dependent_plate_dims(sites)
+        outer = common_plate_scale(sites)
         log_w = sum(_sum_dependent(s["log_prob"].detach(), sum_dims) for s in model_sites.values())
         log_w = log_w - sum(
             _sum_dependent(s["log_prob"].detach(), sum_dims) for s in guide_sites.values()
         )
         return torch.as_tensor(log_w) / outer, outer, model_sites, guide_sites
 
-    def _weighted_terms(self, pairs, vectorized: bool) -> tuple[float, Terms]:
-        """The bound and the surrogate terms of the particles in ``pairs``.
-
-        ``vectorized``: one trace pair whose leftmost batch dimension holds the particles;
-        otherwise one trace pair per particle, whose log-weights are stacked.
-        """
+    def _weighted_terms(self, pairs) -> tuple[float, Terms]:
+        """The bound and the surrogate terms of the particles in ``pairs``: one trace pair
+        (its leftmost batch dimension holds the particles), or one per particle (stacked)."""
         parts = [self._log_weights(m, g) for m, g in pairs]
         outer = parts[0][1]
-        if vectorized:
-            log_w = parts[0][0]
-        else:
-            if any(not _same(p[1], outer) for p in parts):
-                raise ValueError(
-                    f"{type(self).__name__}: the particles' subsampling scales differ (the "
-                    "plates that hold every site have different sizes across particles)."
-                )
+        if any(not _same(p[1], outer) for p in parts):
+            raise ValueError(
+                f"{type(self).__name__}: the particles' subsampling scales differ (the "
+                "plates that hold every site have different sizes across particles)."
+            )
+        log_w = parts[0][0]
+        if len(pairs) > 1:
             log_w = torch.stack(torch.broadcast_tensors(*(p[0] for p in parts)))
         K, beta = self.num_particles, 1 - self.alpha
         if K > 1:
@@ -462,10 +406,10 @@ class TraceDReG_ELBO(RoutedELBO):
             elbo = outer * log_w.sum().item()
             w = torch.ones_like(log_w)
         terms: Terms = {}
-        for k, ((model_trace, guide_trace), (_, _, model_sites, guide_sites)) in enumerate(
-            zip(pairs, parts)
+        ws = w.unbind(0) if len(pairs) > 1 else [w]
+        for (model_trace, guide_trace), (_, _, model_sites, guide_sites), wk in zip(
+            pairs, parts, ws
         ):
-            wk = w if vectorized else w[k]
             factors = self._site_factors(guide_sites, wk, outer)
             _scale_gradient(model_trace, guide_trace, factors)
             for name, site in model_sites.items():
@@ -475,12 +419,12 @@ class TraceDReG_ELBO(RoutedELBO):
                 if torch.is_tensor(path) and path.requires_grad:
                     f = factors.get(name, 1.0)
                     add_term(terms, ("guide", name), -(wk * f * path).sum())
-        if vectorized:  # the particle's record, for estimators built on this one
+        if len(pairs) == 1:  # the particle's record, for estimators built on this one
             terms[EXTRA] = {"weights": w, "factors": factors}
         return elbo, terms
 
     def _particle_terms(self, model_trace, guide_trace, blocks=None) -> tuple[float, Terms]:
-        return self._weighted_terms([(model_trace, guide_trace)], vectorized=True)
+        return self._weighted_terms([(model_trace, guide_trace)])
 
 
 class ReweightedWakeSleepDReG(TraceDReG_ELBO):
