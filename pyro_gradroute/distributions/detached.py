@@ -48,7 +48,7 @@ from pyro.distributions.torch_distribution import (
 from torch.distributions import Distribution, Independent, TransformedDistribution
 from torch.distributions.transforms import ComposeTransform, IndependentTransform
 
-from .._compat import set_transform_cache, transform_cache
+from .._compat import set_transform_cache, transform_cache, unquantized
 from ..routing import reaches_leaf_directly
 from . import flows
 
@@ -127,7 +127,10 @@ def _copy(fn: Distribution, params: list) -> Distribution:
         elif isinstance(v, Distribution):
             state[k] = _copy(v, params)
     cls = type(fn)
-    if _dict_copy(cls):
+    ok = _DICT_COPY.get(cls)
+    if ok is None:
+        ok = _dict_copy(cls)
+    if ok:
         new = cls.__new__(cls)
         new.__dict__ = state
     else:
@@ -181,6 +184,9 @@ def detached_copy(
     new = _copy(fn, [] if params is None else params)
     verdict = _VERIFIED.get(sig)
     if verdict is None and value is not None and torch.is_grad_enabled():
+        if unquantized(value) is not None:  # straight-through: its density is at the relaxed
+            _VERIFIED[sig] = False  # sample (the split node's rule)
+            return None
         v = value.detach()
         caches = _transform_caches(fn)  # evaluating at v replaces them: the sample's are kept
         try:
@@ -252,4 +258,30 @@ def density_reads_parameters(delta: Delta, nodes: dict) -> bool:
     parameter directly, not only through the earlier samples whose autograd nodes are the
     keys of ``nodes`` (as AutoStructured's and AutoGaussian's Deltas do)."""
     ld = delta.log_density
-    return torch.is_tensor(ld) and ld.requires_grad and reaches_leaf_directly(ld, stop_nodes=nodes)
+    if not (torch.is_tensor(ld) and ld.requires_grad):
+        return False
+    walk = short_walk([ld.grad_fn], nodes) if ld.grad_fn is not None else None
+    if walk is not None and not walk[1]:
+        return False  # a few operations on earlier samples
+    return reaches_leaf_directly(ld, stop_nodes=nodes)
+
+
+def short_walk(roots: list, stops, limit: int = 32) -> tuple[bool, bool] | None:
+    """``(reaches a stop, reaches a leaf)``: the graph below the autograd nodes ``roots``, each
+    path ending at a node in ``stops``; None past ``limit`` nodes (the graph walkers of
+    :mod:`~pyro_gradroute.routing` then decide). Decides a guide's plain sites without them."""
+    stack, stop, leaf = list(roots), False, False
+    while stack:
+        limit -= 1
+        if limit < 0:
+            return None
+        nexts = stack.pop().next_functions
+        leaf = leaf or not nexts
+        for f, _ in nexts:
+            if f is None:
+                continue
+            if f in stops:
+                stop = True
+            else:
+                stack.append(f)
+    return stop, leaf

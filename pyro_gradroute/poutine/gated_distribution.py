@@ -1,10 +1,9 @@
 """A distribution wrapper whose log-density's gradient skips blocked parameters.
 
-Used by :class:`~pyro_gradroute.poutine.block_grad_messenger.BlockGradMessenger` so
-that *any* ELBO that differentiates ``site["fn"].log_prob`` / ``score_parts`` (Pyro's
-``Trace_ELBO``, ``TraceMeanField_ELBO``, ``TraceGraph_ELBO``, ``RenyiELBO``) honours
-the routes exactly, through :func:`pyro_gradroute.routing.gate`. This package's own
-ELBOs unwrap it (:func:`unwrap_gates`) and use the faster routing engine instead.
+Used by :class:`~pyro_gradroute.poutine.block_grad_messenger.BlockGradMessenger` so that
+*any* ELBO that differentiates ``site["fn"].log_prob`` / ``score_parts`` honours the routes
+exactly, through :func:`pyro_gradroute.routing.gate`. This package's ELBOs unwrap it and
+route with the faster engine, reading the marks with :func:`collect_blocks`.
 """
 
 from __future__ import annotations
@@ -122,20 +121,32 @@ class GatedDistribution(WrappedDistribution):
         )
 
 
-def unwrap_gates(trace) -> None:
-    """Replace every gated ``site["fn"]`` in ``trace`` by its base distribution (in place).
+def collect_blocks(model_trace, guide_trace) -> dict[tuple[str, str], dict[str, torch.Tensor]]:
+    """``{("model" | "guide", site): {param name: unconstrained leaf}}`` for every marked site.
 
-    This package's ELBOs call it before computing log-densities; the specs are kept in
-    ``site["block_grad_specs"]`` (read by :func:`site_specs`) for the routing engine.
+    A site is marked by its gate, or by the specs an estimator unwrapped it to (under
+    ``site["block_grad_specs"]``). The keys are :class:`~pyro_gradroute.infer.RoutedELBO`'s
+    term keys; the values what :func:`pyro_gradroute.routing.backward` takes as a block entry.
+
+    Example::
+
+        >>> import pyro, torch, pyro.distributions as dist
+        >>> from pyro import poutine
+        >>> from pyro_gradroute.poutine import block_grad
+        >>> def model():
+        ...     w = pyro.param("w", torch.tensor(1.0))
+        ...     pyro.sample("x", dist.Normal(w, 1.0), obs=torch.tensor(0.5))
+        >>> tr = poutine.trace(block_grad(model, sites="x", params="w")).get_trace()
+        >>> list(collect_blocks(tr, poutine.Trace()))
+        [('model', 'x')]
     """
-    for site in trace.nodes.values():
-        if site["type"] == "sample" and isinstance(site["fn"], GatedDistribution):
-            site[SPECS_KEY] = site["fn"].specs
-            site["fn"] = site["fn"].base_dist
-
-
-def site_specs(site) -> tuple[BlockSpec, ...]:
-    """The ``block_grad`` specs of a trace site (gated, or unwrapped by :func:`unwrap_gates`)."""
-    if isinstance(site["fn"], GatedDistribution):
-        return site["fn"].specs
-    return site.get(SPECS_KEY, ())
+    blocks: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
+    for role, trace in (("model", model_trace), ("guide", guide_trace)):
+        for name, site in trace.nodes.items():
+            if site["type"] != "sample":
+                continue
+            fn = site["fn"]
+            specs = fn.specs if isinstance(fn, GatedDistribution) else site.get(SPECS_KEY, ())
+            if specs:
+                blocks[(role, name)] = resolve(specs)
+    return blocks

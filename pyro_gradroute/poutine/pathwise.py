@@ -35,11 +35,9 @@ from typing import NamedTuple
 
 import torch
 from pyro.distributions.score_parts import ScoreParts
-from pyro.poutine.util import site_is_subsample
 
-from .._compat import unquantized
 from ..distributions import flows
-from ..distributions.detached import delta_base, density_reads_parameters, detached_copy
+from ..distributions.detached import delta_base, detached_copy, short_walk
 from ..distributions.split import (
     SplitNotSupported,
     _flow_candidate,
@@ -50,17 +48,7 @@ from ..distributions.split import (
 from ..distributions.structured import StructuredNotSupported, structured_pathwise
 from ..routing import reached, reached_nodes, reaches_leaf_directly
 
-__all__ = ["evaluate_run", "frontier", "latent_site", "site_pathwise"]
-
-
-def latent_site(site: dict) -> bool:
-    """A guide sample site with a random draw of its own (not observed, subsample or enumerated)."""
-    return (
-        site["type"] == "sample"
-        and not site["is_observed"]
-        and not site_is_subsample(site)
-        and not site["infer"].get("enumerate")
-    )
+__all__ = ["evaluate_run", "frontier", "site_pathwise"]
 
 
 def frontier(tensors: list[torch.Tensor], earlier: dict) -> list[int]:
@@ -119,53 +107,54 @@ def _delta_error(name: str) -> DeltaDensityError:
     )
 
 
-def site_pathwise(name: str, fn, value: torch.Tensor, earlier: list, nodes: dict, owner=None):
-    """The pathwise :class:`~pyro.distributions.score_parts.ScoreParts` of one site (unscaled).
+def site_pathwise(name: str, fn, value: torch.Tensor, earlier: list, nodes: dict):
+    """The pathwise :class:`~pyro.distributions.score_parts.ScoreParts` of one site with a random draw (unscaled).
 
     ``earlier``: the samples drawn before this one; ``nodes``: their autograd nodes ->
     index. Returns the parts (detached copy, forward-carried flow rule, or the two JIT
-    evaluations); ``None`` for a Delta whose ordinary parts are all pathwise; a
-    :class:`Conditional` for a site the split node evaluates with the run's others; or
-    ``owner`` for a Delta of a structured guide (evaluated through its map). Raises
-    :class:`DeltaDensityError` for any other Delta whose density reads parameters directly,
-    ``NotImplementedError`` for a conditional site under the JIT.
+    evaluations), or a :class:`Conditional` for a site the split node evaluates with the
+    run's others. Raises ``NotImplementedError`` for a conditional site under the JIT.
     """
-    d = delta_base(fn)
-    if d is not None:
-        if density_reads_parameters(d, nodes):
-            if owner is not None:
-                return owner
-            raise _delta_error(name)
-        return None
     tracing = torch.jit.is_tracing()
-    if unquantized(value) is None:  # (straight-through: the density is at the relaxed value)
-        params: list[torch.Tensor] = []
-        copy = detached_copy(fn, value, params)  # None where fn is not a plain family
-        if copy is not None:
-            if params and not value.requires_grad and torch.is_grad_enabled():
-                raise ValueError(
-                    f"guide site '{name}': its value does not depend on its distribution's "
-                    "parameters, so it was not drawn by that distribution (another handler, "
-                    "e.g. poutine.replay or poutine.condition around the guide, replaced it). "
-                    "Sticking the landing needs the sample the guide drew; remove that handler, "
-                    "or mark the site infer={'stl': False} to give it the ordinary gradient."
-                )
-            ups = frontier(params, nodes)
-            if not ups:
-                lp = copy.log_prob(value)
-                parts = PathwiseParts(lp, 0, lp)
-                parts.conditional = False
-                return parts
-            if tracing:
-                raise _conditional_under_jit(name)
-            return Conditional(name, fn, value, tuple(ups))
-        if not tracing:
-            parts = _flow_pathwise(name, fn, value, nodes)
-            if parts is not None:
-                return parts
+    params: list[torch.Tensor] = []
+    copy = detached_copy(fn, value, params)  # None where fn is not a plain family
+    if copy is not None:
+        if params and not value.requires_grad and torch.is_grad_enabled():
+            raise ValueError(
+                f"guide site '{name}': its value does not depend on its distribution's "
+                "parameters, so it was not drawn by that distribution (another handler, "
+                "e.g. poutine.replay or poutine.condition around the guide, replaced it). "
+                "Sticking the landing needs the sample the guide drew; remove that handler, "
+                "or mark the site infer={'stl': False} to give it the ordinary gradient."
+            )
+        ups = frontier(params, nodes) if nodes and _reads_sample(params, nodes) else ()
+        if not ups:
+            lp = copy.log_prob(value)
+            parts = PathwiseParts(lp, 0, lp)
+            parts.conditional = False
+            return parts
+        if tracing:
+            raise _conditional_under_jit(name)
+        return Conditional(name, fn, value, tuple(ups))
+    if not tracing:
+        parts = _flow_pathwise(name, fn, value, nodes)
+        if parts is not None:
+            return parts
     if tracing:
         return _traced(name, fn, value, earlier)
     return Conditional(name, fn, value, tuple(range(len(earlier))))
+
+
+def _reads_sample(params: list, nodes: dict) -> bool:
+    """Whether the parameters may read an earlier sample (then :func:`frontier` tells which)."""
+    roots = []
+    for p in params:
+        if p.grad_fn is not None:
+            if p.grad_fn in nodes:
+                return True
+            roots.append(p.grad_fn)
+    walk = short_walk(roots, nodes)
+    return walk is None or walk[0]
 
 
 def _conditional_under_jit(name: str) -> NotImplementedError:
@@ -299,19 +288,20 @@ def evaluate_run(sites: list[RunSite], earlier: list, nodes: dict, fallback=None
     items: list[tuple[RunSite, Conditional]] = []
     owners: dict[int, object] = {}
     for s in sites:
-        before = earlier[: s.index]
-        out = site_pathwise(s.name, s.fn, s.value, before, nodes, s.owner)
+        if s.owner is not None:  # a structured guide's Delta: evaluated through its map
+            owners[id(s.owner)] = s.owner
+            continue
+        out = site_pathwise(s.name, s.fn, s.value, earlier[: s.index], nodes)
         if type(out) is Conditional:
             items.append((s, out))
-        elif out is s.owner and out is not None:
-            owners[id(out)] = out
         else:
             s.parts = out
     if items:
         _split(items, earlier, fallback)
     for owner in owners.values():
         _structured(owner, run or sites)
-    _check_auxiliary_links(run or sites, items, earlier, nodes)
+    if items:  # (only a split node's density reads an auxiliary Delta)
+        _check_auxiliary_links(run or sites, items, earlier, nodes)
 
 
 def _split(items, earlier, fallback) -> None:
@@ -374,7 +364,7 @@ def _check_auxiliary_links(sites: list[RunSite], items, earlier, nodes) -> None:
     if not aux:
         return
     for s, c in items:
-        if delta_base(s.fn) is not None or s.score is None or not s.score.requires_grad:
+        if s.score is None or not s.score.requires_grad:
             continue
         ups = [earlier[i] for i in c.upstream]
         for j in reached(s.score, ups):
