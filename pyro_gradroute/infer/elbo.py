@@ -23,7 +23,7 @@ from pyro.util import check_if_enumerated, check_model_guide_match, check_site_s
 
 from .. import routing
 from .._validation import check_int
-from ..poutine.gated_distribution import SPECS_KEY, GatedDistribution, collect_blocks
+from ..poutine.block_grad_messenger import SPECS_KEY, GatedDistribution, collect_blocks
 from ..poutine.stick_the_landing_messenger import PathwiseDistribution
 
 __all__ = ["RoutedELBO", "collect_blocks", "get_split_importance_trace"]

@@ -1,32 +1,16 @@
-r"""The pathwise part of a guide site's log-density, decided from the site alone.
+r"""The pathwise part :math:`\log q(z; \bot(\phi))` of a guide site's log-density, from the site alone.
 
-Sticking the landing replaces each reparameterized guide site's ``score_parts`` by its
-pathwise part :math:`\log q(z; \bot(\phi))`, the ordinary value with the direct
-dependence on the parameters stopped. :func:`site_pathwise` decides, per site, the
-cheapest exact mechanism, and :func:`evaluate_run` evaluates a guide run's sites:
-
-* a plain family (a torch or Pyro family, ``Independent`` / ``expand`` / ``mask`` or a
-  parameter-free ``TransformedDistribution`` over one) whose parameters read no earlier
-  sample: one evaluation of a detached copy at the live sample
-  (:func:`~pyro_gradroute.distributions.detached.detached_copy`); no custom node;
-* a flow whose density and sample read no earlier sample, with its path in the
-  transforms' caches: its forward-carried gradient :math:`\nabla_{x_k} \log q` sent to the
-  sample's path as :math:`\langle \bot(g), x_k \rangle` (no custom node);
-* anything else with a random draw (conditional sites :math:`q(z_2 \mid z_1)` at any
-  depth, conditional or uncached flows, families with their own ``score_parts``,
-  straight-through samples): one split node for all of them
-  (:func:`~pyro_gradroute.distributions.split.split_score_parts`), which also sends the
-  partials :math:`\partial \log q / \partial u` to the earlier samples :math:`u` read. A
-  backward pre-hook on each earlier sample's autograd node stops the gradient below it
-  while that product is taken, so each gets its partial derivative;
-* under the JIT (a traced program does not rebuild the node's graph): the site's full
-  parts minus its parts at the detached sample (two evaluations); a conditional site
-  raises;
-* a ``Delta`` (no random draw): its ordinary parts, when its density reaches the
-  parameters only through earlier draws; an ``AutoStructured`` / ``AutoGaussian`` Delta
-  takes the pathwise part of the joint density through the guide's map
-  (:mod:`~pyro_gradroute.distributions.structured`); any other is a clear error naming
-  the site.
+:func:`site_pathwise` decides the cheapest exact rule per site, :func:`evaluate_run` applies
+it to a guide run's sites: a plain family whose parameters read no earlier sample takes
+one evaluation of a detached copy (:mod:`~pyro_gradroute.distributions.detached`); an
+unconditional flow with its path cached takes its forward-carried gradient (no node);
+anything else with a random draw (conditional sites at any depth, other flows, own
+``score_parts``, straight-through samples) takes one split node for all of them
+(:func:`~pyro_gradroute.distributions.split.split_score_parts`), which sends the partials
+to the earlier samples read; under the JIT, the full parts minus the parts at the detached
+sample (a conditional site raises). A ``Delta`` keeps its ordinary parts, unless its
+density reads parameters directly: a structured guide's map
+(:mod:`~pyro_gradroute.distributions.structured`) or an error naming the site.
 """
 
 from __future__ import annotations

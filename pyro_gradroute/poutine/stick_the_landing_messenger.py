@@ -17,7 +17,7 @@ from ..distributions.detached import delta_base, density_reads_parameters, param
 from ..distributions.split import preimage_rsample
 from ..distributions.structured import calling_structured_guide
 from ._wrapped import _EMPTY, WrappedDistribution
-from .gated_distribution import GatedDistribution
+from .block_grad_messenger import GatedDistribution
 from .pathwise import RunSite, _delta_error, evaluate_run
 
 __all__ = ["STLPolicy", "StickTheLandingMessenger", "check_elbo", "stick_the_landing"]
@@ -33,9 +33,6 @@ class PathwiseDistribution(WrappedDistribution):
 
     _own = ("base_dist", "_run", "_value", "_pre", "_site")
 
-    def __init__(self, base_dist, run: _Run):
-        self.__dict__ = self._wrap(base_dist, run).__dict__
-
     @classmethod
     def _wrap(cls, base_dist, run: _Run) -> PathwiseDistribution:
         """``cls(base_dist, run)`` without the metaclass's call (one wrapper per site and step)."""
@@ -49,10 +46,8 @@ class PathwiseDistribution(WrappedDistribution):
         base = self.base_dist
         if not base.has_rsample:
             self._value = base.sample(sample_shape)
-        elif isinstance(base, TransformedDistribution):  # a flow keeps its path (and a
-            self._value, self._pre = preimage_rsample(
-                base, sample_shape
-            )  # pushforward its pre-image)
+        elif isinstance(base, TransformedDistribution):  # (a flow keeps its path)
+            self._value, self._pre = preimage_rsample(base, sample_shape)
         else:
             self._value = base.rsample(sample_shape)
         return self._value
@@ -133,11 +128,8 @@ class STLPolicy:
     * :meth:`fallback`: a site that cannot be split gets the ordinary gradient, with a
       warning naming it (once per site);
     * ``trace_steps``: the first ``trace_steps`` steps take the ordinary (``Trace_ELBO``)
-      gradient everywhere, then sticking the landing starts (:meth:`advance` counts steps).
-      Far from the posterior, from a narrow initial scale especially, the score part that
-      STL drops is what cancels the noise of the entropy gradient (for a Normal site the
-      gradient of the entropy with respect to ``log sigma`` is exactly -1 with it, ``-eps^2``
-      without it), so a short ``Trace_ELBO`` phase first avoids STL's worst regime.
+      gradient everywhere, then sticking the landing starts (:meth:`advance` counts steps):
+      far from the posterior the score part STL drops cancels the entropy gradient's noise.
 
     Example::
 
@@ -366,7 +358,7 @@ class StickTheLandingMessenger(Messenger):
                 for k in [k for k, r in drawn.items() if r() is None]:
                     del drawn[k]
             drawn[id(value)] = weakref.ref(value)
-        elif not self._drew_before(value):
+        elif (ref := self._drawn.get(id(value))) is None or ref() is not value:
             if torch.is_tensor(value) and not value.requires_grad and not param_tensors(base):
                 run.add(value)  # nothing to stop: another handler's value passes through
                 return
@@ -389,10 +381,6 @@ class StickTheLandingMessenger(Messenger):
             site.parts = _PENDING
             run.pending.append(site)
         run.add(value)
-
-    def _drew_before(self, value) -> bool:
-        ref = self._drawn.get(id(value))
-        return ref is not None and ref() is value
 
     def __exit__(self, *args):
         run, self._run = self._run, None  # (the trace's wrappers keep what they need)
