@@ -4,7 +4,6 @@ handler, its gate on a site's distribution, and :func:`collect_blocks`, which re
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from types import TracebackType
 
 import torch
 from pyro.distributions import Delta, MaskedDistribution
@@ -84,15 +83,9 @@ class GatedDistribution(WrappedDistribution):
         return track_provenance(gated, provenance) if provenance else gated
 
     def _check_score_function_paths(self, t, blocked) -> None:
-        """Raise where a blocked parameter can only be reached through a REINFORCE term.
-
-        Pyro's ELBOs call this gated ``log_prob`` (this package's ELBOs unwrap the gate).
-        They build each non-reparameterized guide site's score-function term from the
-        *detached* model log-densities, so a gate here cannot keep this site's cost from
-        the guide parameters of that term. Such a site shows in the run as a latent
-        site whose value has no gradient; a blocked parameter that this log-density does
-        not reach pathwise may then be reached only that way.
-        """
+        """Raise where a blocked parameter can only be reached through a REINFORCE term: Pyro's
+        ELBOs build those from *detached* model log-densities, which a gate here cannot reach
+        (a latent site whose value has no gradient has such a term)."""
         others = [n for n in self.score_sites if n != self.site]
         if not others:
             return
@@ -259,12 +252,7 @@ class BlockGradMessenger(Messenger):
         self._score_sites: list[str] = []  # latent sites whose value has no gradient
         return super().__enter__()
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc_value: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
+    def __exit__(self, exc_type, exc_value, traceback) -> None:
         super().__exit__(exc_type, exc_value, traceback)
         if exc_type is not None and self._open:
             # e.g. a reparameterizer (outer poutine.reparam) that cannot handle a gated fn

@@ -32,26 +32,7 @@ from ..distributions.split import (
 from ..distributions.structured import StructuredNotSupported, structured_pathwise
 from ..routing import reached, reached_nodes, reaches_leaf_directly
 
-__all__ = ["evaluate_run", "frontier", "site_pathwise"]
-
-
-def frontier(tensors: list[torch.Tensor], earlier: dict) -> list[int]:
-    """Indices (in ``earlier``: autograd node -> index) of the earlier samples ``tensors`` read.
-
-    The walk stops at those samples' nodes: a sample read only through another one is not
-    listed.
-
-    Example::
-
-        >>> import torch
-        >>> phi = torch.tensor(0.5, requires_grad=True)
-        >>> z0 = phi * 2.0
-        >>> z1 = z0 + 1.0  # computed from z0
-        >>> loc = 3.0 * z1 + phi
-        >>> frontier([loc], {z0.grad_fn: 0, z1.grad_fn: 1})  # loc reads z1 (and z0 only through it)
-        [1]
-    """
-    return reached_nodes(tensors, earlier)
+__all__ = ["evaluate_run", "site_pathwise"]
 
 
 class DeltaDensityError(ValueError):
@@ -68,15 +49,13 @@ class Conditional(NamedTuple):
 
 
 class PathwiseParts(ScoreParts):
-    """The pathwise parts of a site, as ``score_parts`` (``conditional``: the site reads earlier
-    samples; ``flow``: a flow's, from its forward-carried gradient)."""
+    """The pathwise parts of a site, as ``score_parts`` (``conditional``: it reads earlier samples)."""
 
     conditional: bool = True
-    flow: bool = False
 
     def scale_and_mask(self, scale=1.0, mask=None) -> PathwiseParts:
         out = PathwiseParts(*super().scale_and_mask(scale, mask))
-        out.conditional, out.flow = self.conditional, self.flow
+        out.conditional = self.conditional
         return out
 
 
@@ -111,7 +90,7 @@ def site_pathwise(name: str, fn, value: torch.Tensor, earlier: list, nodes: dict
                 "Sticking the landing needs the sample the guide drew; remove that handler, "
                 "or mark the site infer={'stl': False} to give it the ordinary gradient."
             )
-        ups = frontier(params, nodes) if nodes and _reads_sample(params, nodes) else ()
+        ups = reached_nodes(params, nodes) if nodes and _reads_sample(params, nodes) else ()
         if not ups:
             lp = copy.log_prob(value)
             parts = PathwiseParts(lp, 0, lp)
@@ -130,7 +109,7 @@ def site_pathwise(name: str, fn, value: torch.Tensor, earlier: list, nodes: dict
 
 
 def _reads_sample(params: list, nodes: dict) -> bool:
-    """Whether the parameters may read an earlier sample (then :func:`frontier` tells which)."""
+    """Whether the parameters may read an earlier sample (then ``reached_nodes`` tells which)."""
     roots = []
     for p in params:
         if p.grad_fn is not None:
@@ -168,14 +147,14 @@ def _flow_pathwise(name: str, fn, value: torch.Tensor, nodes: dict) -> ScorePart
     if nodes and torch.is_grad_enabled():  # a conditional flow: what its density reads
         if value.grad_fn in nodes:  # the site's own sample
             nodes = {n: i for n, i in nodes.items() if n is not value.grad_fn}
-        if frontier([path.log_prob(), value], nodes):
+        if reached_nodes([path.log_prob(), value], nodes):
             return None
     try:
         lp = flows.pathwise_log_prob(path)
     except ValueError as e:  # a triangular solve that did not converge, ...: name the site
         raise ValueError(f"Error while computing log_prob at site '{name}':\n{e}") from e
     parts = PathwiseParts(lp, 0, lp)
-    parts.conditional, parts.flow = False, True
+    parts.conditional = False
     return parts
 
 

@@ -32,10 +32,6 @@ class BlockSpec:
     params: tuple[ParamSpec, ...]
 
 
-def _store() -> dict[str, torch.Tensor]:
-    return param_store_leaves()
-
-
 def _module_roots(names: Iterable[str]) -> list[str]:
     roots = {n.split("$$$")[0] if "$$$" in n else n.rsplit(".", 1)[0] for n in names}
     return sorted(r for r in roots if r)
@@ -107,7 +103,7 @@ def resolve(specs: Iterable[BlockSpec]) -> dict[str, torch.Tensor]:
         >>> sorted(resolve([BlockSpec(frozenset({"x"}), ("decoder",), ())]))
         ['decoder$$$bias', 'decoder$$$weight']
     """
-    store = _store()
+    store = param_store_leaves()
     out: dict[str, torch.Tensor] = {}
     for spec in specs:
         for m in spec.modules:

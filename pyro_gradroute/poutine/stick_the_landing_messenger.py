@@ -187,13 +187,6 @@ class STLPolicy:
             )
         return True
 
-    def __getstate__(self) -> dict:
-        return {"owner": self.owner, "trace_steps": self.trace_steps, "steps": self.steps}
-
-    def __setstate__(self, state: dict) -> None:
-        self.__init__(state["owner"], state["trace_steps"])
-        self.steps = state["steps"]
-
 
 _GRADIENT_METHODS = ("loss_and_grads", "differentiable_loss", "_differentiable_loss_particle")
 _VALID: dict[type, bool] = {}  # estimator class -> whether STL is valid in it
