@@ -132,9 +132,7 @@ class TraceSTL_ELBO(Trace_ELBO):
     the posterior (Pyro's narrow initial scales, e.g. ``AutoNormal(init_scale=0.1)``) STL's
     variance can exceed ``Trace_ELBO``'s; starting with ``Trace_ELBO`` avoids that regime.
     :class:`~pyro_gradroute.infer.TraceAdaptiveSTL_ELBO` makes this choice from measured
-    variances, per parameter element; ``TraceAdaptiveSTL_ELBO(mix_gain=math.inf)`` is the
-    measured switch between the whole estimators (``Trace_ELBO`` first, this estimator's
-    gradient once its measured second moment is the lower; never a mix).
+    variances (``mix_gain=math.inf``: the measured switch between the whole estimators).
 
     **Cost.** A site of a plain family (a torch or Pyro distribution, ``Independent``,
     ``expand``, ``mask``, or a parameter-free ``TransformedDistribution`` over one) takes

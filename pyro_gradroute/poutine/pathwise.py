@@ -39,15 +39,6 @@ class DeltaDensityError(ValueError):
     """A Delta site whose ``log_density`` depends on the guide's parameters directly."""
 
 
-class Conditional(NamedTuple):
-    """A site evaluated with the others in one split node (see the module docstring)."""
-
-    name: str
-    fn: object
-    value: torch.Tensor
-    upstream: tuple[int, ...]  # indices of the earlier samples it may read
-
-
 class PathwiseParts(ScoreParts):
     """The pathwise parts of a site, as ``score_parts`` (``conditional``: it reads earlier samples)."""
 
@@ -75,8 +66,8 @@ def site_pathwise(name: str, fn, value: torch.Tensor, earlier: list, nodes: dict
 
     ``earlier``: the samples drawn before this one; ``nodes``: their autograd nodes ->
     index. Returns the parts (detached copy, forward-carried flow rule, or the two JIT
-    evaluations), or a :class:`Conditional` for a site the split node evaluates with the
-    run's others. Raises ``NotImplementedError`` for a conditional site under the JIT.
+    evaluations), or for a site the split node evaluates with the run's others a plain tuple:
+    the indices of the earlier samples it may read. Raises ``NotImplementedError`` for a conditional site under the JIT.
     """
     tracing = torch.jit.is_tracing()
     params: list[torch.Tensor] = []
@@ -98,14 +89,14 @@ def site_pathwise(name: str, fn, value: torch.Tensor, earlier: list, nodes: dict
             return parts
         if tracing:
             raise _conditional_under_jit(name)
-        return Conditional(name, fn, value, tuple(ups))
+        return tuple(ups)
     if not tracing:
         parts = _flow_pathwise(name, fn, value, nodes)
         if parts is not None:
             return parts
     if tracing:
         return _traced(name, fn, value, earlier)
-    return Conditional(name, fn, value, tuple(range(len(earlier))))
+    return tuple(range(len(earlier)))
 
 
 def _reads_sample(params: list, nodes: dict) -> bool:
@@ -248,14 +239,14 @@ def evaluate_run(sites: list[RunSite], earlier: list, nodes: dict, fallback=None
     ordinary parts (else the error is raised, naming the site). ``run``: every site of the
     run (``sites`` are those not evaluated yet), which a structured guide's map reads.
     """
-    items: list[tuple[RunSite, Conditional]] = []
+    items: list[tuple[RunSite, tuple]] = []  # (site, upstream indices)
     owners: dict[int, object] = {}
     for s in sites:
         if s.owner is not None:  # a structured guide's Delta: evaluated through its map
             owners[id(s.owner)] = s.owner
             continue
         out = site_pathwise(s.name, s.fn, s.value, earlier[: s.index], nodes)
-        if type(out) is Conditional:
+        if type(out) is tuple:
             items.append((s, out))
         else:
             s.parts = out
@@ -277,7 +268,7 @@ def _split(items, earlier, fallback) -> None:
         full = s.fn.score_parts(s.value)
         return full, ScoreParts(*(_stop(t) for t in full)), None
 
-    args = [(c.fn, c.value, [earlier[i] for i in c.upstream], s.preimage) for s, c in items]
+    args = [(s.fn, s.value, [earlier[i] for i in up], s.preimage) for s, up in items]
     out = split_score_parts(args, on_error=on_error, cut=True, names=[s.name for s, _ in items])
     for (s, _), (full, path, score) in zip(items, out):
         if score is None:  # fallen back: the ordinary parts
@@ -326,12 +317,12 @@ def _check_auxiliary_links(sites: list[RunSite], items, earlier, nodes) -> None:
     }
     if not aux:
         return
-    for s, c in items:
+    for s, up in items:
         if s.score is None or not s.score.requires_grad:
             continue
-        ups = [earlier[i] for i in c.upstream]
+        ups = [earlier[i] for i in up]
         for j in reached(s.score, ups):
-            w = aux.get(c.upstream[j])
+            w = aux.get(up[j])
             if w is not None:
                 raise ValueError(
                     f"guide site '{s.name}' reads the auxiliary Delta site '{w.name}', whose "

@@ -1,11 +1,6 @@
-"""Resolve a ``block_grad`` spec (module / param names, globs, predicates) to param-store leaves.
-
-Pyro's param store keeps, for each name, an *unconstrained* leaf tensor (what the
-optimizer updates and what receives ``.grad``); ``pyro.param`` returns a constrained
-view of it. Blocking works on the leaves (``pyro.get_param_store().named_parameters()``).
-
-Names: ``pyro.module("decoder", net)`` registers ``"decoder$$$<param>"``; a
-``PyroModule`` named ``decoder`` registers dotted names ``"decoder.<param>"``.
+"""Resolve a ``block_grad`` spec (module / param names, globs, predicates) to the param store's
+unconstrained leaves (what the optimizer updates). ``pyro.module("decoder", net)`` registers
+``"decoder$$$<param>"``; a ``PyroModule`` named ``decoder`` dotted names ``"decoder.<param>"``.
 """
 
 from __future__ import annotations

@@ -193,21 +193,14 @@ _VALID: dict[type, bool] = {}  # estimator class -> whether STL is valid in it
 
 
 def _valid_in(cls) -> bool:
-    """Pyro's listed classes, or a class whose MRO declares ``_stl_safe = True`` (this package's
-    ``Trace_ELBO``), or a subclass of one that keeps its gradient computation."""
     import pyro.infer as pi
 
     allowed = (pi.Trace_ELBO, pi.JitTrace_ELBO, pi.TraceGraph_ELBO, pi.JitTraceGraph_ELBO,
                pi.TraceEnum_ELBO, pi.JitTraceEnum_ELBO, pi.TraceMeanField_ELBO,
                pi.JitTraceMeanField_ELBO)  # fmt: skip
     base = next((c for c in cls.__mro__ if c in allowed or vars(c).get("_stl_safe") is True), None)
-    if base is None:
-        return False
-    for name in _GRADIENT_METHODS:
-        own = next((c for c in cls.__mro__ if name in vars(c)), None)
-        if own is not None and own not in base.__mro__:
-            return False  # a subclass (or mixin) redefines how the gradient is formed
-    return True
+    owners = (next((c for c in cls.__mro__ if m in vars(c)), None) for m in _GRADIENT_METHODS)
+    return base is not None and all(c is None or c in base.__mro__ for c in owners)
 
 
 def check_elbo(elbo) -> None:
@@ -355,7 +348,12 @@ class StickTheLandingMessenger(Messenger):
             if torch.is_tensor(value) and not value.requires_grad and not param_tensors(base):
                 run.add(value)  # nothing to stop: another handler's value passes through
                 return
-            raise _not_drawn(name)
+            raise ValueError(
+                f"stick_the_landing: the value of site '{name}' is not the sample its "
+                "distribution drew: another handler outside the handler replaced it (e.g. "
+                "poutine.replay), or the handler wraps the model instead of the guide. Wrap "
+                "the guide only: SVI(model, stick_the_landing(guide), ...)."
+            )
         d = delta_base(base)
         owner = None
         if d is not None:  # no random draw: its ordinary parts, unless its density reads
@@ -394,15 +392,6 @@ class StickTheLandingMessenger(Messenger):
         state = dict(self.__dict__)
         state["_run"], state["_drawn"] = None, {}  # (a run's samples carry graphs)
         return state
-
-
-def _not_drawn(name: str) -> ValueError:
-    return ValueError(
-        f"stick_the_landing: the value of site '{name}' is not the sample its distribution "
-        "drew: another handler outside the handler replaced it (e.g. poutine.replay), or the "
-        "handler wraps the model instead of the guide. Wrap the guide only: "
-        "SVI(model, stick_the_landing(guide), ...)."
-    )
 
 
 def stick_the_landing(
