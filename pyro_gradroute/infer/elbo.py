@@ -215,11 +215,8 @@ class RoutedELBO(ELBO):
         return -elbo, -surrogate
 
     def _iter_particles(self, model, guide, args, kwargs):
-        """Yield ``(elbo, terms, blocks, trainable)`` per trace, divided by :meth:`_particle_divisor`.
-
-        ``trainable``: whether the traces hold a ``param`` site (Pyro skips the backward
-        pass otherwise).
-        """
+        """Yield ``(elbo, terms, blocks, trainable)`` per trace, divided by :meth:`_particle_divisor`
+        (``trainable``: the traces hold a ``param`` site; Pyro skips the backward otherwise)."""
         for elbo, terms, blocks, trainable, _ in self._iter_particle_items(
             model, guide, args, kwargs
         ):

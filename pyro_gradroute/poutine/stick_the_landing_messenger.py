@@ -66,10 +66,7 @@ class PathwiseDistribution(WrappedDistribution):
     def log_prob(self, value, *args, **kwargs):
         site = self._site
         if site is not None and value is site.value:
-            if site.parts is _PENDING:
-                self._run.evaluate()
-            if site.parts is not None:
-                return site.parts.log_prob
+            return self.score_parts(value).log_prob
         return self.base_dist.log_prob(value, *args, **kwargs)
 
     def score_parts(self, value, *args, **kwargs):
@@ -92,11 +89,8 @@ def _kl_pathwise(p: PathwiseDistribution, q: Distribution) -> torch.Tensor:
 
 
 class _Run:
-    """The samples of one guide run, in draw order (what later sites may read).
-
-    The pathwise parts of its sites are evaluated together, when the first is asked for
-    (by then every sample is known; a site's parameters cannot read a later one).
-    """
+    """The samples of one guide run in draw order; its sites' parts are evaluated together when
+    the first is asked for (every sample is known by then)."""
 
     def __init__(self, stl: bool, fallback) -> None:
         self.earlier: list[torch.Tensor] = []
