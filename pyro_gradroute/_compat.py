@@ -235,17 +235,6 @@ def trace_enum_elbo_particles(elbo, model, guide, args, kwargs):
 
 
 # ---------------------------------------------------------------- distributions and handlers
-def distribution_fields(base) -> dict:
-    """The attributes ``Distribution.__init__`` sets (torch's private ``_batch_shape``,
-    ``_event_shape``, ``_validate_args``), with ``base``'s shapes and no validation: for a
-    wrapper built without the metaclass's call."""
-    return {
-        "_batch_shape": base.batch_shape,
-        "_event_shape": base.event_shape,
-        "_validate_args": False,
-    }
-
-
 def mask_of(fn):
     """The mask of a Pyro ``MaskedDistribution`` (its private ``_mask``: a bool or a tensor)."""
     return fn._mask

@@ -1,37 +1,24 @@
 r"""The pathwise part of a plain family's log-density: one evaluation of a detached copy.
 
 For a reparameterized sample :math:`z = g(\epsilon; \phi)` of a family whose parameters
-are tensors it holds as attributes, the pathwise part of the log-density is
+are tensors it holds as attributes,
 
 .. math::
 
     \log q(z; \bot(\phi)) = \texttt{detached\_copy(fn).log\_prob}(z),
 
 one evaluation at the live sample of a shallow copy of ``fn`` whose tensor attributes
-are detached. Its value is the ordinary :math:`\log q(z;\phi)`, its gradient reaches
-the parameters only through :math:`z`, and its backward is a subset of the ordinary
-one. Sticking the landing then costs what ``Trace_ELBO`` costs.
+are detached: the ordinary value, a gradient that reaches the parameters only through
+:math:`z`, and a backward that is a subset of the ordinary one.
 
-Which distributions qualify (:func:`detached_copy` returns ``None`` otherwise):
-
-* a torch or Pyro family with Pyro's default ``score_parts`` (or none, as plain
-  ``torch.distributions`` objects) and ``rsample``;
-* ``Independent``, ``ExpandedDistribution`` or ``MaskedDistribution`` over one;
-* a ``TransformedDistribution`` whose transforms hold no parameters (``biject_to``
-  pushforwards, ``SigmoidTransform``, ...) over one. The copy shares the transforms,
-  so their caches give the pre-image of a cached sample without an inverse (a
-  saturating sigmoid keeps its value, exactly as Pyro's ``log_prob`` does).
-
-Not ``Delta`` (no random draw), flows (parametrized transforms), distributions with
-their own ``score_parts`` (``Rejector``), and straight-through samples: for those
-:func:`~pyro_gradroute.poutine.pathwise.site_pathwise` takes another rule (the flow rule,
-the JIT's two evaluations, or the split node of :mod:`~pyro_gradroute.distributions.split`).
-
-A family that keeps a parameter where a shallow copy cannot see it (a closure, a
-module) must not silently lose its score part: the first time a distribution type is
-seen with parameters that require grad, :func:`detached_copy` checks that the copy's
-log-density at a detached value requires no gradient at all, and refuses the type
-(``None``: another rule of ``site_pathwise``) if it does.
+Which distributions qualify (:func:`detached_copy` returns ``None`` otherwise): a torch or
+Pyro family with Pyro's default ``score_parts`` and ``rsample``; ``Independent``,
+``ExpandedDistribution`` or ``MaskedDistribution`` over one; a ``TransformedDistribution``
+whose transforms hold no parameters over one (the copy shares the transforms, so their
+caches give the pre-image of a cached sample without an inverse). Not ``Delta``, flows,
+families with their own ``score_parts``, straight-through samples, nor a family that keeps
+a parameter where a shallow copy cannot see it (checked once per type: the copy's
+log-density at a detached value must require no gradient).
 """
 
 from __future__ import annotations
@@ -48,7 +35,7 @@ from pyro.distributions.torch_distribution import (
 from torch.distributions import Distribution, Independent, TransformedDistribution
 from torch.distributions.transforms import ComposeTransform, IndependentTransform
 
-from .._compat import set_transform_cache, transform_cache
+from .._compat import set_transform_cache, transform_cache, unquantized
 from ..routing import reaches_leaf_directly
 from . import flows
 
@@ -60,8 +47,8 @@ _WRAPPERS = (Independent, ExpandedDistribution, MaskedDistribution)
 _VERIFIED: dict[tuple, bool] = {}
 
 
-# What a class is, for the walks below (once per site and step): a dict lookup instead of
-# isinstance against Pyro's classes, which are ABCs (their isinstance runs Python code).
+# What a class is (once per site and step): a dict lookup instead of isinstance against
+# Pyro's classes, which are ABCs (their isinstance runs Python code).
 _WRAP, _TRANSFORMED, _OWN_PARTS, _DELTA = 1, 2, 4, 8
 _KIND: dict[type, int] = {}
 
@@ -127,7 +114,10 @@ def _copy(fn: Distribution, params: list) -> Distribution:
         elif isinstance(v, Distribution):
             state[k] = _copy(v, params)
     cls = type(fn)
-    if _dict_copy(cls):
+    ok = _DICT_COPY.get(cls)
+    if ok is None:
+        ok = _dict_copy(cls)
+    if ok:
         new = cls.__new__(cls)
         new.__dict__ = state
     else:
@@ -181,6 +171,9 @@ def detached_copy(
     new = _copy(fn, [] if params is None else params)
     verdict = _VERIFIED.get(sig)
     if verdict is None and value is not None and torch.is_grad_enabled():
+        if unquantized(value) is not None:  # straight-through: its density is at the relaxed
+            _VERIFIED[sig] = False  # sample (the split node's rule)
+            return None
         v = value.detach()
         caches = _transform_caches(fn)  # evaluating at v replaces them: the sample's are kept
         try:
@@ -217,33 +210,17 @@ def _transform_caches(fn: Distribution) -> list:
 
 def delta_base(fn: Distribution):
     """The :class:`~pyro.distributions.Delta` inside ``fn`` (unwrapping ``Independent``, ``expand``, ``mask``), or None."""
-    while True:  # (one dict lookup per level: Pyro's classes are ABCs, slow in isinstance)
-        cls = type(fn)
-        k = _DELTA_KIND.get(cls)
+    while True:
+        k = _KIND.get(type(fn))
         if k is None:
-            k = _DELTA_KIND[cls] = (
-                1
-                if issubclass(cls, (Independent, ExpandedDistribution, MaskedDistribution))
-                else 2
-                if issubclass(cls, Delta)
-                else 0
-            )
-        if k != 1:
-            return fn if k == 2 else None
+            k = _kind(type(fn))
+        if not k & _WRAP:
+            return fn if k & _DELTA else None
         fn = fn.base_dist
 
 
-#: class -> 1: a wrapper (look inside), 2: a Delta, 0: neither
-_DELTA_KIND: dict[type, int] = {}
-
-
 def is_delta(fn: Distribution) -> bool:
-    """Whether ``fn`` is a :class:`~pyro.distributions.Delta`, possibly wrapped.
-
-    Unwraps ``Independent``, ``ExpandedDistribution`` and ``MaskedDistribution``.
-    A Delta's value is a deterministic function of other samples or of parameters;
-    it is not a random draw.
-    """
+    """Whether ``fn`` is a (possibly wrapped) :class:`~pyro.distributions.Delta`: no random draw."""
     return delta_base(fn) is not None
 
 
@@ -252,4 +229,30 @@ def density_reads_parameters(delta: Delta, nodes: dict) -> bool:
     parameter directly, not only through the earlier samples whose autograd nodes are the
     keys of ``nodes`` (as AutoStructured's and AutoGaussian's Deltas do)."""
     ld = delta.log_density
-    return torch.is_tensor(ld) and ld.requires_grad and reaches_leaf_directly(ld, stop_nodes=nodes)
+    if not (torch.is_tensor(ld) and ld.requires_grad):
+        return False
+    walk = short_walk([ld.grad_fn], nodes) if ld.grad_fn is not None else None
+    if walk is not None and not walk[1]:
+        return False  # a few operations on earlier samples
+    return reaches_leaf_directly(ld, stop_nodes=nodes)
+
+
+def short_walk(roots: list, stops, limit: int = 32) -> tuple[bool, bool] | None:
+    """``(reaches a stop, reaches a leaf)``: the graph below the autograd nodes ``roots``, each
+    path ending at a node in ``stops``; None past ``limit`` nodes (the graph walkers of
+    :mod:`~pyro_gradroute.routing` then decide). Decides a guide's plain sites without them."""
+    stack, stop, leaf = list(roots), False, False
+    while stack:
+        limit -= 1
+        if limit < 0:
+            return None
+        nexts = stack.pop().next_functions
+        leaf = leaf or not nexts
+        for f, _ in nexts:
+            if f is None:
+                continue
+            if f in stops:
+                stop = True
+            else:
+                stack.append(f)
+    return stop, leaf

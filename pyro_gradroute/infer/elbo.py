@@ -1,33 +1,40 @@
-"""Shared machinery of this package's ELBOs: named surrogate terms, one trace pass per particle.
+"""The trace-pair machinery of this package's ELBOs: one model/guide trace pair per particle,
+named surrogate terms, ``block_grad`` routes.
 
-Every ELBO here builds, from one model/guide trace pair per particle, a dict of
-named scalar *surrogate terms* whose sum is the surrogate ELBO (the quantity whose
-gradient is the estimator) and a float ELBO estimate. Terms are keyed
-``("model", site)``, ``("guide", site)`` or ``(kind, ...)`` for estimator-specific
-terms. Keeping the terms separate lets :func:`pyro_gradroute.routing.backward`
-honour :class:`~pyro_gradroute.poutine.block_grad` routes (a blocked site's terms
-must not reach the blocked parameters) at the cost of pruned extra backward
-passes only where routes exist.
+Every ELBO here builds, from one trace pair per particle, a dict of named scalar *surrogate
+terms* (keyed ``("model", site)``, ``("guide", site)`` or ``(kind, ...)``) whose sum is the
+surrogate ELBO, and a float ELBO estimate. Separate terms let
+:func:`pyro_gradroute.routing.backward` keep a ``block_grad``-marked site's terms from the
+blocked parameters; without marks the step is one plain backward.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Hashable
 
 import torch
+from pyro import poutine
+from pyro.distributions.util import scale_and_mask
 from pyro.infer.elbo import ELBO
-from pyro.infer.util import torch_item
-from pyro.util import warn_if_nan
+from pyro.infer.util import is_validation_enabled, torch_item
+from pyro.poutine.util import prune_subsample_sites
+from pyro.util import check_if_enumerated, check_model_guide_match, check_site_shape, warn_if_nan
 
 from .. import routing
 from .._validation import check_int
-from ..poutine.collect import collect_blocks as _collect
-from .traces import get_split_importance_trace
+from ..poutine.block_grad_messenger import SPECS_KEY, GatedDistribution, collect_blocks
+from ..poutine.stick_the_landing_messenger import PathwiseDistribution
+
+__all__ = ["RoutedELBO", "collect_blocks", "get_split_importance_trace"]
 
 Terms = dict[Hashable, torch.Tensor]
 
 #: the key under which ``_particle_terms`` may return a per-particle record that is not a term
 EXTRA = ("__extra__",)
+
+#: the key of a guide trace site under which the handler's record of it is kept
+PATHWISE = "pathwise_site"
 
 
 def add_term(terms: Terms, key: Hashable, value) -> None:
@@ -35,11 +42,6 @@ def add_term(terms: Terms, key: Hashable, value) -> None:
     if not (torch.is_tensor(value) and value.requires_grad):
         return
     terms[key] = terms[key] + value if key in terms else value
-
-
-def collect_blocks(model_trace, guide_trace) -> dict:
-    """Term key -> parameters the term must not reach, from ``block_grad`` marks in the traces."""
-    return _collect(model_trace, guide_trace)
 
 
 def _joint_blocks(terms: Terms, blocks: dict) -> dict:
@@ -51,6 +53,120 @@ def _joint_blocks(terms: Terms, blocks: dict) -> dict:
             if merged:
                 joint[key] = merged
     return {**blocks, **joint} if joint else blocks
+
+
+def _check_finite(trace: poutine.Trace, role: str) -> None:
+    """Raise, naming the site, if a log-density in ``trace`` is NaN (one check when none is)."""
+    total, sites = 0.0, []
+    for site in trace.nodes.values():
+        if site["type"] == "sample":
+            total = total + site["log_prob_sum"]
+            sites.append(site)
+    if not sites or not torch.isnan(total):
+        return
+    site = next(s for s in sites if torch.isnan(s["log_prob_sum"]))
+    raise ValueError(
+        f"NaN log-density at {role} site '{site['name']}' "
+        f"(distribution {type(site['fn']).__name__}). Check the site's parameters "
+        "(e.g. a scale that is not positive) and its value; use constrained params "
+        "(pyro.param(..., constraint=...)) for parameters with a restricted domain."
+    )
+
+
+def refuse_model_enumeration(elbo, model_trace, guide_trace) -> None:
+    """Raise, naming the site, for an enumerated model site the estimator would sample instead."""
+    for name, site in model_trace.nodes.items():
+        if (
+            site["type"] == "sample"
+            and site["infer"].get("enumerate")
+            and not site["is_observed"]
+            and name not in guide_trace.nodes
+        ):
+            raise ValueError(
+                f"model site {name!r} is marked for enumeration, which {type(elbo).__name__} "
+                "does not do (it would be sampled from its prior, a different objective): use "
+                "pyro.infer.TraceEnum_ELBO with the guide under "
+                "pyro_gradroute.poutine.stick_the_landing, or "
+                "pyro_gradroute.infer.TraceEnumAdaptiveSTL_ELBO, or remove the enumeration mark"
+            )
+
+
+def site_parts(site):
+    """``(full, pathwise)`` scaled and masked ``ScoreParts`` of a guide site.
+
+    A site the estimator's handler took: ``(None, site["score_parts"])``; any other: its
+    ``score_parts`` and the same with every gradient stopped.
+    """
+    full = site["score_parts"]
+    if site.get(PATHWISE) is not None:
+        return None, full
+    return full, type(full)(*(t.detach() if torch.is_tensor(t) else t for t in full))
+
+
+def scaled(site, t):
+    """``t`` scaled and masked like ``site``'s log-density."""
+    return scale_and_mask(t, site["scale"], site["mask"])
+
+
+def get_split_importance_trace(
+    max_plate_nesting, model, guide, args, kwargs, replay_values=None, context=None
+):
+    """Pyro's ``get_importance_trace``: the guide once (inside ``context``), the model once against it.
+
+    :param replay_values: optional ``guide_trace -> trace`` whose values the model replays
+        (:class:`~pyro_gradroute.infer.TraceDReG_ELBO`'s gradient-scaling nodes); default
+        the guide trace.
+    :param context: a messenger the guide runs inside (the estimator's
+        :class:`~pyro_gradroute.poutine.StickTheLandingMessenger`); its sites then hold their
+        base distributions, and under :data:`PATHWISE` the handler's record of each.
+    :returns: ``(model_trace, guide_trace)`` with log-probabilities computed; ``block_grad``
+        gates unwrapped (their specs under the sites' ``block_grad_specs`` key).
+    """
+    splitting = context if context is not None else contextlib.nullcontext()
+    unwrapped_guide = poutine.unwrap(guide)
+    if isinstance(unwrapped_guide, poutine.messenger.Messenger):
+        if replay_values is not None:
+            raise NotImplementedError(
+                "GuideMessenger guides are not supported by this estimator with more than "
+                "one particle; use a callable guide (e.g. AutoNormal instead of "
+                "AutoNormalMessenger)"
+            )
+        with splitting:
+            guide(*args, **kwargs)
+        model_trace, guide_trace = unwrapped_guide.get_traces()
+    else:
+        with splitting:
+            guide_trace = poutine.trace(guide).get_trace(*args, **kwargs)
+        replayed = guide_trace if replay_values is None else replay_values(guide_trace)
+        model_trace = poutine.trace(poutine.replay(model, trace=replayed)).get_trace(
+            *args, **kwargs
+        )
+    validate = is_validation_enabled()
+    if validate:
+        check_if_enumerated(guide_trace)  # enumerated guide sites need TraceEnum_ELBO
+        check_model_guide_match(model_trace, guide_trace, max_plate_nesting)
+    guide_trace = prune_subsample_sites(guide_trace)
+    model_trace = prune_subsample_sites(model_trace)
+    for trace in (model_trace, guide_trace):  # routes go to the routing engine, not the gates
+        for site in trace.nodes.values():
+            if site["type"] == "sample" and type(site["fn"]) is GatedDistribution:
+                site[SPECS_KEY], site["fn"] = site["fn"].specs, site["fn"].base_dist
+    guide_trace.compute_score_parts()  # the guide first: a NaN there is named as such
+    if context is not None:  # the parts are computed: the sites hold their base distributions
+        for site in guide_trace.nodes.values():
+            if site["type"] == "sample" and type(site["fn"]) is PathwiseDistribution:
+                site[PATHWISE] = site["fn"]._site  # the site as the handler saw it
+                site["fn"] = site["fn"].base_dist
+    if validate:
+        _check_finite(guide_trace, "guide")
+    model_trace.compute_log_prob()
+    if validate:
+        _check_finite(model_trace, "model")
+        for trace in (model_trace, guide_trace):
+            for site in trace.nodes.values():
+                if site["type"] == "sample":
+                    check_site_shape(site, max_plate_nesting)
+    return model_trace, guide_trace
 
 
 class RoutedELBO(ELBO):
@@ -98,18 +214,9 @@ class RoutedELBO(ELBO):
         surrogate = sum(terms.values()) if terms else 0.0
         return -elbo, -surrogate
 
-    def _hook_overridden(self) -> bool:
-        return (
-            type(self)._differentiable_loss_particle is not RoutedELBO._differentiable_loss_particle
-        )
-
     def _iter_particles(self, model, guide, args, kwargs):
-        """Yield ``(elbo, terms, blocks, trainable)`` per trace, divided by :meth:`_particle_divisor`.
-
-        (A vectorized trace holds all particles, summed: it is divided likewise.)
-        ``trainable``: whether the traces hold a ``param`` site (Pyro skips the
-        backward pass otherwise).
-        """
+        """Yield ``(elbo, terms, blocks, trainable)`` per trace, divided by :meth:`_particle_divisor`
+        (``trainable``: the traces hold a ``param`` site; Pyro skips the backward otherwise)."""
         for elbo, terms, blocks, trainable, _ in self._iter_particle_items(
             model, guide, args, kwargs
         ):
@@ -119,14 +226,20 @@ class RoutedELBO(ELBO):
         """:meth:`_iter_particles` with a fifth element: what ``_particle_terms`` returned
         under the key :data:`EXTRA` (an estimator's per-particle record, passed as a value)."""
         n = self._particle_divisor()
-        hook = self._hook_overridden()
+        hook = (
+            type(self)._differentiable_loss_particle is not RoutedELBO._differentiable_loss_particle
+        )
         for model_trace, guide_trace in self._get_traces(model, guide, args, kwargs):
-            blocks = collect_blocks(model_trace, guide_trace)
-            trainable = any(
-                site["type"] == "param"
-                for t in (model_trace, guide_trace)
-                for site in t.nodes.values()
-            )
+            trainable = marked = False
+            for trace in (model_trace, guide_trace):
+                for site in trace.nodes.values():
+                    if site["type"] == "param":
+                        trainable = True
+                    elif site["type"] == "sample" and (
+                        SPECS_KEY in site or type(site["fn"]) is GatedDistribution
+                    ):
+                        marked = True
+            blocks = collect_blocks(model_trace, guide_trace) if marked else {}
             if hook:
                 if blocks:
                     raise NotImplementedError(
@@ -139,7 +252,8 @@ class RoutedELBO(ELBO):
                 elbo, terms = -torch_item(loss), {("surrogate",): -surrogate}
             else:
                 elbo, terms = self._particle_terms(model_trace, guide_trace, blocks)
-                blocks = _joint_blocks(terms, blocks)
+                if blocks:
+                    blocks = _joint_blocks(terms, blocks)
             extra = terms.pop(EXTRA, None)
             terms = {k: v for k, v in terms.items() if torch.is_tensor(v) and v.requires_grad}
             if n > 1:

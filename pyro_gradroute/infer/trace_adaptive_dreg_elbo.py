@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from .elbo import EXTRA, Terms
+from .elbo import EXTRA, Terms, site_parts
 from .trace_adaptive_elbo import _Adaptive, _add, _grads, _score_part, _trace_params
 from .trace_dreg_elbo import TraceDReG_ELBO
-from .traces import site_parts
 
 __all__ = ["TraceAdaptiveDReG_ELBO"]
 

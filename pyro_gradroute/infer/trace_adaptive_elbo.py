@@ -22,10 +22,17 @@ from ..distributed.gradients import average_gradients
 from ..distributions.normal import normal_score, normal_sites
 from ..poutine.stick_the_landing_messenger import stick_the_landing
 from .control_variate import ControlVariate
-from .elbo import EXTRA, RoutedELBO, Terms, collect_blocks
+from .elbo import (
+    EXTRA,
+    PATHWISE,
+    RoutedELBO,
+    Terms,
+    collect_blocks,
+    refuse_model_enumeration,
+    scaled,
+)
 from .schedule import Schedule, ScheduleConfig
 from .trace_elbo import Trace_ELBO, TraceSTL_ELBO
-from .traces import PATHWISE, refuse_model_enumeration, scaled
 
 __all__ = ["TraceAdaptiveSTL_ELBO", "TraceEnumAdaptiveSTL_ELBO"]
 

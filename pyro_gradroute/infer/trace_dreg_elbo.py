@@ -13,11 +13,23 @@ from .._compat import set_unquantized, unquantized
 from .._validation import check_float, check_int
 from ..distributions.detached import is_delta
 from ..poutine.pathwise import DeltaDensityError
-from ..poutine.stick_the_landing_messenger import StickTheLandingMessenger
-from ..poutine.stl_policy import STLPolicy
+from ..poutine.stick_the_landing_messenger import (
+    StickTheLandingMessenger,
+    STLPolicy,
+)
 from ..routing import reaches_leaf_directly
-from .elbo import EXTRA, RoutedELBO, Terms, _joint_blocks, add_term, collect_blocks
-from .traces import PATHWISE, get_split_importance_trace, refuse_model_enumeration, site_parts
+from .elbo import (
+    EXTRA,
+    PATHWISE,
+    RoutedELBO,
+    Terms,
+    _joint_blocks,
+    add_term,
+    collect_blocks,
+    get_split_importance_trace,
+    refuse_model_enumeration,
+    site_parts,
+)
 
 
 def _gate(guide_trace: Trace) -> Trace:

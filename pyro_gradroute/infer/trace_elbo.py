@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
+import torch
 from pyro.distributions.util import is_identically_zero
 from pyro.infer.util import MultiFrameTensor, get_plate_stacks, torch_item
 
-from ..poutine.stick_the_landing_messenger import StickTheLandingMessenger
-from ..poutine.stl_policy import STLPolicy
-from .elbo import RoutedELBO, Terms, add_term
-from .traces import get_split_importance_trace, refuse_model_enumeration
+from ..poutine.stick_the_landing_messenger import StickTheLandingMessenger, STLPolicy
+from .elbo import RoutedELBO, Terms, add_term, get_split_importance_trace, refuse_model_enumeration
 
 
 class Trace_ELBO(RoutedELBO):
@@ -45,27 +44,26 @@ class Trace_ELBO(RoutedELBO):
 
     _stl_safe = True  # stick_the_landing is valid in it (a plain sum of log q's gradient)
 
-    def _entropy_term(self, site):
-        """The guide site's term whose gradient is taken pathwise (reparameterized sites)."""
-        return site["score_parts"].entropy_term
-
     def _particle_terms(self, model_trace, guide_trace, blocks=None) -> tuple[float, Terms]:
         elbo = 0.0
         terms: Terms = {}
         for name, site in model_trace.nodes.items():
             if site["type"] == "sample":
-                elbo += torch_item(site["log_prob_sum"])
-                add_term(terms, ("model", name), site["log_prob_sum"])
+                lp = site["log_prob_sum"]
+                elbo += torch_item(lp)
+                if torch.is_tensor(lp) and lp.requires_grad:  # (site names are unique)
+                    terms[("model", name)] = lp
         costs = None  # (term key, plate stack, detached log-density): the pieces of log r
         log_r = None
         for name, site in guide_trace.nodes.items():
             if site["type"] != "sample":
                 continue
             elbo -= torch_item(site["log_prob_sum"])
-            entropy_term = self._entropy_term(site)
-            if not is_identically_zero(entropy_term):
-                add_term(terms, ("guide", name), -entropy_term.sum())
-            score_function = site["score_parts"].score_function
+            parts = site["score_parts"]
+            entropy_term = parts.entropy_term
+            if torch.is_tensor(entropy_term) and entropy_term.requires_grad:
+                terms[("guide", name)] = -entropy_term.sum()
+            score_function = parts.score_function
             if is_identically_zero(score_function):
                 continue
             stack = site["cond_indep_stack"]
@@ -134,9 +132,7 @@ class TraceSTL_ELBO(Trace_ELBO):
     the posterior (Pyro's narrow initial scales, e.g. ``AutoNormal(init_scale=0.1)``) STL's
     variance can exceed ``Trace_ELBO``'s; starting with ``Trace_ELBO`` avoids that regime.
     :class:`~pyro_gradroute.infer.TraceAdaptiveSTL_ELBO` makes this choice from measured
-    variances, per parameter element; ``TraceAdaptiveSTL_ELBO(mix_gain=math.inf)`` is the
-    measured switch between the whole estimators (``Trace_ELBO`` first, this estimator's
-    gradient once its measured second moment is the lower; never a mix).
+    variances (``mix_gain=math.inf``: the measured switch between the whole estimators).
 
     **Cost.** A site of a plain family (a torch or Pyro distribution, ``Independent``,
     ``expand``, ``mask``, or a parameter-free ``TransformedDistribution`` over one) takes
@@ -163,11 +159,6 @@ class TraceSTL_ELBO(Trace_ELBO):
 
     def __init__(self, *args, trace_steps: int = 0, **kwargs):
         super().__init__(*args, **kwargs)
-        n = self.num_particles
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(
-                f"{type(self).__name__}: num_particles must be an integer >= 1, got {n!r}"
-            )
         self._policy = STLPolicy(type(self).__name__, trace_steps)
         self._handler = StickTheLandingMessenger(_policy=self._policy)
 

@@ -1,32 +1,16 @@
-r"""The pathwise part of a guide site's log-density, decided from the site alone.
+r"""The pathwise part :math:`\log q(z; \bot(\phi))` of a guide site's log-density, from the site alone.
 
-Sticking the landing replaces each reparameterized guide site's ``score_parts`` by its
-pathwise part :math:`\log q(z; \bot(\phi))`, the ordinary value with the direct
-dependence on the parameters stopped. :func:`site_pathwise` decides, per site, the
-cheapest exact mechanism, and :func:`evaluate_run` evaluates a guide run's sites:
-
-* a plain family (a torch or Pyro family, ``Independent`` / ``expand`` / ``mask`` or a
-  parameter-free ``TransformedDistribution`` over one) whose parameters read no earlier
-  sample: one evaluation of a detached copy at the live sample
-  (:func:`~pyro_gradroute.distributions.detached.detached_copy`); no custom node;
-* a flow whose density and sample read no earlier sample, with its path in the
-  transforms' caches: its forward-carried gradient :math:`\nabla_{x_k} \log q` sent to the
-  sample's path as :math:`\langle \bot(g), x_k \rangle` (no custom node);
-* anything else with a random draw (conditional sites :math:`q(z_2 \mid z_1)` at any
-  depth, conditional or uncached flows, families with their own ``score_parts``,
-  straight-through samples): one split node for all of them
-  (:func:`~pyro_gradroute.distributions.split.split_score_parts`), which also sends the
-  partials :math:`\partial \log q / \partial u` to the earlier samples :math:`u` read. A
-  backward pre-hook on each earlier sample's autograd node stops the gradient below it
-  while that product is taken, so each gets its partial derivative;
-* under the JIT (a traced program does not rebuild the node's graph): the site's full
-  parts minus its parts at the detached sample (two evaluations); a conditional site
-  raises;
-* a ``Delta`` (no random draw): its ordinary parts, when its density reaches the
-  parameters only through earlier draws; an ``AutoStructured`` / ``AutoGaussian`` Delta
-  takes the pathwise part of the joint density through the guide's map
-  (:mod:`~pyro_gradroute.distributions.structured`); any other is a clear error naming
-  the site.
+:func:`site_pathwise` decides the cheapest exact rule per site, :func:`evaluate_run` applies
+it to a guide run's sites: a plain family whose parameters read no earlier sample takes
+one evaluation of a detached copy (:mod:`~pyro_gradroute.distributions.detached`); an
+unconditional flow with its path cached takes its forward-carried gradient (no node);
+anything else with a random draw (conditional sites at any depth, other flows, own
+``score_parts``, straight-through samples) takes one split node for all of them
+(:func:`~pyro_gradroute.distributions.split.split_score_parts`), which sends the partials
+to the earlier samples read; under the JIT, the full parts minus the parts at the detached
+sample (a conditional site raises). A ``Delta`` keeps its ordinary parts, unless its
+density reads parameters directly: a structured guide's map
+(:mod:`~pyro_gradroute.distributions.structured`) or an error naming the site.
 """
 
 from __future__ import annotations
@@ -35,11 +19,9 @@ from typing import NamedTuple
 
 import torch
 from pyro.distributions.score_parts import ScoreParts
-from pyro.poutine.util import site_is_subsample
 
-from .._compat import unquantized
 from ..distributions import flows
-from ..distributions.detached import delta_base, density_reads_parameters, detached_copy
+from ..distributions.detached import delta_base, detached_copy, short_walk
 from ..distributions.split import (
     SplitNotSupported,
     _flow_candidate,
@@ -50,61 +32,21 @@ from ..distributions.split import (
 from ..distributions.structured import StructuredNotSupported, structured_pathwise
 from ..routing import reached, reached_nodes, reaches_leaf_directly
 
-__all__ = ["evaluate_run", "frontier", "latent_site", "site_pathwise"]
-
-
-def latent_site(site: dict) -> bool:
-    """A guide sample site with a random draw of its own (not observed, subsample or enumerated)."""
-    return (
-        site["type"] == "sample"
-        and not site["is_observed"]
-        and not site_is_subsample(site)
-        and not site["infer"].get("enumerate")
-    )
-
-
-def frontier(tensors: list[torch.Tensor], earlier: dict) -> list[int]:
-    """Indices (in ``earlier``: autograd node -> index) of the earlier samples ``tensors`` read.
-
-    The walk stops at those samples' nodes: a sample read only through another one is not
-    listed.
-
-    Example::
-
-        >>> import torch
-        >>> phi = torch.tensor(0.5, requires_grad=True)
-        >>> z0 = phi * 2.0
-        >>> z1 = z0 + 1.0  # computed from z0
-        >>> loc = 3.0 * z1 + phi
-        >>> frontier([loc], {z0.grad_fn: 0, z1.grad_fn: 1})  # loc reads z1 (and z0 only through it)
-        [1]
-    """
-    return reached_nodes(tensors, earlier)
+__all__ = ["evaluate_run", "site_pathwise"]
 
 
 class DeltaDensityError(ValueError):
     """A Delta site whose ``log_density`` depends on the guide's parameters directly."""
 
 
-class Conditional(NamedTuple):
-    """A site evaluated with the others in one split node (see the module docstring)."""
-
-    name: str
-    fn: object
-    value: torch.Tensor
-    upstream: tuple[int, ...]  # indices of the earlier samples it may read
-
-
 class PathwiseParts(ScoreParts):
-    """The pathwise parts of a site, as ``score_parts`` (``conditional``: the site reads earlier
-    samples; ``flow``: a flow's, from its forward-carried gradient)."""
+    """The pathwise parts of a site, as ``score_parts`` (``conditional``: it reads earlier samples)."""
 
     conditional: bool = True
-    flow: bool = False
 
     def scale_and_mask(self, scale=1.0, mask=None) -> PathwiseParts:
         out = PathwiseParts(*super().scale_and_mask(scale, mask))
-        out.conditional, out.flow = self.conditional, self.flow
+        out.conditional = self.conditional
         return out
 
 
@@ -119,53 +61,54 @@ def _delta_error(name: str) -> DeltaDensityError:
     )
 
 
-def site_pathwise(name: str, fn, value: torch.Tensor, earlier: list, nodes: dict, owner=None):
-    """The pathwise :class:`~pyro.distributions.score_parts.ScoreParts` of one site (unscaled).
+def site_pathwise(name: str, fn, value: torch.Tensor, earlier: list, nodes: dict):
+    """The pathwise :class:`~pyro.distributions.score_parts.ScoreParts` of one site with a random draw (unscaled).
 
     ``earlier``: the samples drawn before this one; ``nodes``: their autograd nodes ->
     index. Returns the parts (detached copy, forward-carried flow rule, or the two JIT
-    evaluations); ``None`` for a Delta whose ordinary parts are all pathwise; a
-    :class:`Conditional` for a site the split node evaluates with the run's others; or
-    ``owner`` for a Delta of a structured guide (evaluated through its map). Raises
-    :class:`DeltaDensityError` for any other Delta whose density reads parameters directly,
-    ``NotImplementedError`` for a conditional site under the JIT.
+    evaluations), or for a site the split node evaluates with the run's others a plain tuple:
+    the indices of the earlier samples it may read. Raises ``NotImplementedError`` for a conditional site under the JIT.
     """
-    d = delta_base(fn)
-    if d is not None:
-        if density_reads_parameters(d, nodes):
-            if owner is not None:
-                return owner
-            raise _delta_error(name)
-        return None
     tracing = torch.jit.is_tracing()
-    if unquantized(value) is None:  # (straight-through: the density is at the relaxed value)
-        params: list[torch.Tensor] = []
-        copy = detached_copy(fn, value, params)  # None where fn is not a plain family
-        if copy is not None:
-            if params and not value.requires_grad and torch.is_grad_enabled():
-                raise ValueError(
-                    f"guide site '{name}': its value does not depend on its distribution's "
-                    "parameters, so it was not drawn by that distribution (another handler, "
-                    "e.g. poutine.replay or poutine.condition around the guide, replaced it). "
-                    "Sticking the landing needs the sample the guide drew; remove that handler, "
-                    "or mark the site infer={'stl': False} to give it the ordinary gradient."
-                )
-            ups = frontier(params, nodes)
-            if not ups:
-                lp = copy.log_prob(value)
-                parts = PathwiseParts(lp, 0, lp)
-                parts.conditional = False
-                return parts
-            if tracing:
-                raise _conditional_under_jit(name)
-            return Conditional(name, fn, value, tuple(ups))
-        if not tracing:
-            parts = _flow_pathwise(name, fn, value, nodes)
-            if parts is not None:
-                return parts
+    params: list[torch.Tensor] = []
+    copy = detached_copy(fn, value, params)  # None where fn is not a plain family
+    if copy is not None:
+        if params and not value.requires_grad and torch.is_grad_enabled():
+            raise ValueError(
+                f"guide site '{name}': its value does not depend on its distribution's "
+                "parameters, so it was not drawn by that distribution (another handler, "
+                "e.g. poutine.replay or poutine.condition around the guide, replaced it). "
+                "Sticking the landing needs the sample the guide drew; remove that handler, "
+                "or mark the site infer={'stl': False} to give it the ordinary gradient."
+            )
+        ups = reached_nodes(params, nodes) if nodes and _reads_sample(params, nodes) else ()
+        if not ups:
+            lp = copy.log_prob(value)
+            parts = PathwiseParts(lp, 0, lp)
+            parts.conditional = False
+            return parts
+        if tracing:
+            raise _conditional_under_jit(name)
+        return tuple(ups)
+    if not tracing:
+        parts = _flow_pathwise(name, fn, value, nodes)
+        if parts is not None:
+            return parts
     if tracing:
         return _traced(name, fn, value, earlier)
-    return Conditional(name, fn, value, tuple(range(len(earlier))))
+    return tuple(range(len(earlier)))
+
+
+def _reads_sample(params: list, nodes: dict) -> bool:
+    """Whether the parameters may read an earlier sample (then ``reached_nodes`` tells which)."""
+    roots = []
+    for p in params:
+        if p.grad_fn is not None:
+            if p.grad_fn in nodes:
+                return True
+            roots.append(p.grad_fn)
+    walk = short_walk(roots, nodes)
+    return walk is None or walk[0]
 
 
 def _conditional_under_jit(name: str) -> NotImplementedError:
@@ -195,14 +138,14 @@ def _flow_pathwise(name: str, fn, value: torch.Tensor, nodes: dict) -> ScorePart
     if nodes and torch.is_grad_enabled():  # a conditional flow: what its density reads
         if value.grad_fn in nodes:  # the site's own sample
             nodes = {n: i for n, i in nodes.items() if n is not value.grad_fn}
-        if frontier([path.log_prob(), value], nodes):
+        if reached_nodes([path.log_prob(), value], nodes):
             return None
     try:
         lp = flows.pathwise_log_prob(path)
     except ValueError as e:  # a triangular solve that did not converge, ...: name the site
         raise ValueError(f"Error while computing log_prob at site '{name}':\n{e}") from e
     parts = PathwiseParts(lp, 0, lp)
-    parts.conditional, parts.flow = False, True
+    parts.conditional = False
     return parts
 
 
@@ -296,22 +239,23 @@ def evaluate_run(sites: list[RunSite], earlier: list, nodes: dict, fallback=None
     ordinary parts (else the error is raised, naming the site). ``run``: every site of the
     run (``sites`` are those not evaluated yet), which a structured guide's map reads.
     """
-    items: list[tuple[RunSite, Conditional]] = []
+    items: list[tuple[RunSite, tuple]] = []  # (site, upstream indices)
     owners: dict[int, object] = {}
     for s in sites:
-        before = earlier[: s.index]
-        out = site_pathwise(s.name, s.fn, s.value, before, nodes, s.owner)
-        if type(out) is Conditional:
+        if s.owner is not None:  # a structured guide's Delta: evaluated through its map
+            owners[id(s.owner)] = s.owner
+            continue
+        out = site_pathwise(s.name, s.fn, s.value, earlier[: s.index], nodes)
+        if type(out) is tuple:
             items.append((s, out))
-        elif out is s.owner and out is not None:
-            owners[id(out)] = out
         else:
             s.parts = out
     if items:
         _split(items, earlier, fallback)
     for owner in owners.values():
         _structured(owner, run or sites)
-    _check_auxiliary_links(run or sites, items, earlier, nodes)
+    if items:  # (only a split node's density reads an auxiliary Delta)
+        _check_auxiliary_links(run or sites, items, earlier, nodes)
 
 
 def _split(items, earlier, fallback) -> None:
@@ -324,7 +268,7 @@ def _split(items, earlier, fallback) -> None:
         full = s.fn.score_parts(s.value)
         return full, ScoreParts(*(_stop(t) for t in full)), None
 
-    args = [(c.fn, c.value, [earlier[i] for i in c.upstream], s.preimage) for s, c in items]
+    args = [(s.fn, s.value, [earlier[i] for i in up], s.preimage) for s, up in items]
     out = split_score_parts(args, on_error=on_error, cut=True, names=[s.name for s, _ in items])
     for (s, _), (full, path, score) in zip(items, out):
         if score is None:  # fallen back: the ordinary parts
@@ -373,12 +317,12 @@ def _check_auxiliary_links(sites: list[RunSite], items, earlier, nodes) -> None:
     }
     if not aux:
         return
-    for s, c in items:
-        if delta_base(s.fn) is not None or s.score is None or not s.score.requires_grad:
+    for s, up in items:
+        if s.score is None or not s.score.requires_grad:
             continue
-        ups = [earlier[i] for i in c.upstream]
+        ups = [earlier[i] for i in up]
         for j in reached(s.score, ups):
-            w = aux.get(c.upstream[j])
+            w = aux.get(up[j])
             if w is not None:
                 raise ValueError(
                     f"guide site '{s.name}' reads the auxiliary Delta site '{w.name}', whose "

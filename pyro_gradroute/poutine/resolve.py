@@ -1,11 +1,6 @@
-"""Resolve a ``block_grad`` spec (module / param names, globs, predicates) to param-store leaves.
-
-Pyro's param store keeps, for each name, an *unconstrained* leaf tensor (what the
-optimizer updates and what receives ``.grad``); ``pyro.param`` returns a constrained
-view of it. Blocking works on the leaves (``pyro.get_param_store().named_parameters()``).
-
-Names: ``pyro.module("decoder", net)`` registers ``"decoder$$$<param>"``; a
-``PyroModule`` named ``decoder`` registers dotted names ``"decoder.<param>"``.
+"""Resolve a ``block_grad`` spec (module / param names, globs, predicates) to the param store's
+unconstrained leaves (what the optimizer updates). ``pyro.module("decoder", net)`` registers
+``"decoder$$$<param>"``; a ``PyroModule`` named ``decoder`` dotted names ``"decoder.<param>"``.
 """
 
 from __future__ import annotations
@@ -30,10 +25,6 @@ class BlockSpec:
     sites: frozenset[str]
     modules: tuple[ModuleSpec, ...]
     params: tuple[ParamSpec, ...]
-
-
-def _store() -> dict[str, torch.Tensor]:
-    return param_store_leaves()
 
 
 def _module_roots(names: Iterable[str]) -> list[str]:
@@ -107,7 +98,7 @@ def resolve(specs: Iterable[BlockSpec]) -> dict[str, torch.Tensor]:
         >>> sorted(resolve([BlockSpec(frozenset({"x"}), ("decoder",), ())]))
         ['decoder$$$bias', 'decoder$$$weight']
     """
-    store = _store()
+    store = param_store_leaves()
     out: dict[str, torch.Tensor] = {}
     for spec in specs:
         for m in spec.modules:

@@ -1,4 +1,5 @@
-"""Sticking the landing inside Pyro's own ELBOs, through the ``score_parts`` hook."""
+"""Sticking the landing inside Pyro's own ELBOs, through the ``score_parts`` hook: the handler,
+its guide-site wrapper, and the policy (which sites, from which step, in which estimators)."""
 
 from __future__ import annotations
 
@@ -10,16 +11,16 @@ import torch
 from pyro.poutine.messenger import Messenger
 from torch.distributions import Distribution, TransformedDistribution, kl_divergence, register_kl
 
-from .._compat import Subsample, calling_elbo, distribution_fields
+from .._compat import Subsample, calling_elbo
+from .._validation import check_int
 from ..distributions.detached import delta_base, density_reads_parameters, param_tensors
 from ..distributions.split import preimage_rsample
 from ..distributions.structured import calling_structured_guide
 from ._wrapped import _EMPTY, WrappedDistribution
-from .gated_distribution import GatedDistribution
+from .block_grad_messenger import GatedDistribution
 from .pathwise import RunSite, _delta_error, evaluate_run
-from .stl_policy import STLPolicy, check_elbo
 
-__all__ = ["StickTheLandingMessenger", "stick_the_landing"]
+__all__ = ["STLPolicy", "StickTheLandingMessenger", "check_elbo", "stick_the_landing"]
 
 
 class PathwiseDistribution(WrappedDistribution):
@@ -32,35 +33,28 @@ class PathwiseDistribution(WrappedDistribution):
 
     _own = ("base_dist", "_run", "_value", "_pre", "_site")
 
-    def __init__(self, base_dist, run: _Run):
-        self.__dict__ = self._wrap(base_dist, run).__dict__
-
     @classmethod
     def _wrap(cls, base_dist, run: _Run) -> PathwiseDistribution:
         """``cls(base_dist, run)`` without the metaclass's call (one wrapper per site and step)."""
         self = object.__new__(cls)
-        self.__dict__ = {  # what Distribution.__init__ sets, without its checks
-            "base_dist": base_dist,
-            "_run": run,
-            "_value": None,
-            "_pre": None,
-            "_site": None,
-            **distribution_fields(base_dist),
-        }
+        self.__dict__ = {"base_dist": base_dist, "_run": run, "_value": None, "_pre": None}
+        self._site = None
+        Distribution.__init__(self, base_dist.batch_shape, base_dist.event_shape, False)
         return self
 
     def __call__(self, sample_shape=_EMPTY):
-        return (
-            self.rsample(sample_shape) if self.base_dist.has_rsample else self.sample(sample_shape)
-        )
-
-    def rsample(self, sample_shape=_EMPTY):
         base = self.base_dist
-        if _transformed(type(base)):  # a flow keeps its path (and a pushforward its pre-image)
+        if not base.has_rsample:
+            self._value = base.sample(sample_shape)
+        elif isinstance(base, TransformedDistribution):  # (a flow keeps its path)
             self._value, self._pre = preimage_rsample(base, sample_shape)
         else:
             self._value = base.rsample(sample_shape)
         return self._value
+
+    def rsample(self, sample_shape=_EMPTY):
+        base = self.base_dist
+        return self(sample_shape) if base.has_rsample else base.rsample(sample_shape)
 
     def sample(self, sample_shape=_EMPTY):
         self._value = self.base_dist.sample(sample_shape)
@@ -69,33 +63,23 @@ class PathwiseDistribution(WrappedDistribution):
     def expand(self, batch_shape, _instance=None):
         return PathwiseDistribution._wrap(self.base_dist.expand(batch_shape), self._run)
 
-    def _pathwise(self, value):
-        """The pathwise parts at ``value`` (None: at another value, or the ordinary parts)."""
-        site = self._site
-        if site is None or value is not site.value:
-            return None
-        if site.parts is _PENDING:
-            self._run.evaluate()  # the run's sites, this one included
-        return site.parts
-
     def log_prob(self, value, *args, **kwargs):
-        parts = self._pathwise(value)
-        return self.base_dist.log_prob(value, *args, **kwargs) if parts is None else parts.log_prob
+        site = self._site
+        if site is not None and value is site.value:
+            return self.score_parts(value).log_prob
+        return self.base_dist.log_prob(value, *args, **kwargs)
 
     def score_parts(self, value, *args, **kwargs):
-        parts = self._pathwise(value)
-        return self.base_dist.score_parts(value, *args, **kwargs) if parts is None else parts
+        site = self._site
+        if site is not None and value is site.value:  # at its own draw: the pathwise parts
+            if site.parts is _PENDING:
+                self._run.evaluate()  # the run's sites, this one included
+            if site.parts is not None:
+                return site.parts
+        return self.base_dist.score_parts(value, *args, **kwargs)
 
 
 _PENDING = object()  # a site's parts before its run is evaluated
-_TRANSFORMED: dict[type, bool] = {}
-
-
-def _transformed(cls) -> bool:
-    t = _TRANSFORMED.get(cls)
-    if t is None:
-        t = _TRANSFORMED[cls] = issubclass(cls, TransformedDistribution)
-    return t
 
 
 @register_kl(PathwiseDistribution, Distribution)
@@ -105,11 +89,8 @@ def _kl_pathwise(p: PathwiseDistribution, q: Distribution) -> torch.Tensor:
 
 
 class _Run:
-    """The samples of one guide run, in draw order (what later sites may read).
-
-    The pathwise parts of its sites are evaluated together, when the first is asked for
-    (by then every sample is known; a site's parameters cannot read a later one).
-    """
+    """The samples of one guide run in draw order; its sites' parts are evaluated together when
+    the first is asked for (every sample is known by then)."""
 
     def __init__(self, stl: bool, fallback) -> None:
         self.earlier: list[torch.Tensor] = []
@@ -130,6 +111,126 @@ class _Run:
         for s in pending:
             s.parts = None
         evaluate_run(pending, self.earlier, self.nodes, self.fallback, self.sites)
+
+
+class STLPolicy:
+    """Which guide sites stick the landing, and from which step: shared by ``TraceSTL_ELBO`` and the handler.
+
+    * :meth:`uses_pathwise`: reparameterized sites do, unless marked
+      ``infer={"stl": False}``; ``infer={"stl": True}`` on a site without ``rsample`` is an
+      error naming it;
+    * :meth:`fallback`: a site that cannot be split gets the ordinary gradient, with a
+      warning naming it (once per site);
+    * ``trace_steps``: the first ``trace_steps`` steps take the ordinary (``Trace_ELBO``)
+      gradient everywhere, then sticking the landing starts (:meth:`advance` counts steps):
+      far from the posterior the score part STL drops cancels the entropy gradient's noise.
+
+    Example::
+
+        >>> import pyro.distributions as dist
+        >>> policy = STLPolicy("my estimator", trace_steps=1)
+        >>> policy.active
+        False
+        >>> policy.advance(); policy.active
+        True
+        >>> policy.uses_pathwise({"name": "z", "fn": dist.Normal(0.0, 1.0), "infer": {"stl": False}})
+        False
+
+    :param owner: the name the warnings use.
+    :param trace_steps: number of initial steps with the ordinary gradient (``>= 0``).
+    """
+
+    def __init__(self, owner: str, trace_steps: int = 0):
+        self.owner = owner
+        self.trace_steps = check_int(trace_steps, "trace_steps", owner, minimum=0)
+        self.steps = 0
+        self._warned: set[str] = set()
+
+    @property
+    def active(self) -> bool:
+        """Whether sticking the landing is on (the ``Trace_ELBO`` phase is over)."""
+        return self.steps >= self.trace_steps
+
+    def advance(self) -> None:
+        """Count one step (a gradient evaluation)."""
+        self.steps += 1
+
+    def uses_pathwise(self, site) -> bool:
+        """Whether a guide site (a message, while sticking the landing is on) takes its pathwise part."""
+        fn, stl = site["fn"], site["infer"].get("stl", None)
+        has_rsample = getattr(fn, "has_rsample", False)
+        if stl is True and not has_rsample:
+            raise ValueError(
+                f"Guide site '{site['name']}' is marked infer={{'stl': True}} but its "
+                f"distribution {type(fn).__name__} has no rsample, so it has no "
+                "pathwise gradient. Use a reparameterizable family or remove the mark "
+                "(non-reparameterized sites get the score-function estimator)."
+            )
+        return stl is not False and bool(has_rsample)
+
+    def fallback(self, name: str, error) -> bool:
+        """Warn (once per site) that site ``name`` gets the ordinary gradient; True."""
+        if name not in self._warned:
+            self._warned.add(name)
+            warnings.warn(
+                f"{self.owner}: guide site '{name}' cannot be split into score and "
+                f"pathwise parts ({error}); it gets the ordinary Trace_ELBO gradient instead "
+                "(unbiased, but not sticking the landing). Mark it infer={'stl': False} to "
+                "silence this.",
+                stacklevel=4,
+            )
+        return True
+
+
+_GRADIENT_METHODS = ("loss_and_grads", "differentiable_loss", "_differentiable_loss_particle")
+_VALID: dict[type, bool] = {}  # estimator class -> whether STL is valid in it
+
+
+def _valid_in(cls) -> bool:
+    import pyro.infer as pi
+
+    allowed = (pi.Trace_ELBO, pi.JitTrace_ELBO, pi.TraceGraph_ELBO, pi.JitTraceGraph_ELBO,
+               pi.TraceEnum_ELBO, pi.JitTraceEnum_ELBO, pi.TraceMeanField_ELBO,
+               pi.JitTraceMeanField_ELBO)  # fmt: skip
+    base = next((c for c in cls.__mro__ if c in allowed or vars(c).get("_stl_safe") is True), None)
+    owners = (next((c for c in cls.__mro__ if m in vars(c)), None) for m in _GRADIENT_METHODS)
+    return base is not None and all(c is None or c in base.__mro__ for c in owners)
+
+
+def check_elbo(elbo) -> None:
+    """Raise unless ``elbo`` (the estimator running the guide, or None) is one STL is valid in.
+
+    Allowed: the ELBOs that take ``log q``'s gradient as a plain sum (Pyro's by class, this
+    package's by the ``_stl_safe`` flag), and subclasses of them that do not redefine
+    ``loss_and_grads``, ``differentiable_loss`` or ``_differentiable_loss_particle``.
+
+    Example::
+
+        >>> import pyro.infer
+        >>> check_elbo(pyro.infer.Trace_ELBO())
+        >>> check_elbo(pyro.infer.RenyiELBO())
+        Traceback (most recent call last):
+        ...
+        ValueError: stick_the_landing cannot be used with RenyiELBO: ...
+    """
+    if elbo is None:
+        return
+    cls = type(elbo)
+    ok = _VALID.get(cls)
+    if ok is None:
+        ok = _VALID[cls] = _valid_in(cls)
+    if ok:
+        return
+    raise ValueError(
+        f"stick_the_landing cannot be used with {type(elbo).__name__}: sticking the landing "
+        "drops the score part of log q, which leaves the gradient unbiased only in the "
+        "ELBOs that take log q's gradient as a plain sum: pyro.infer.Trace_ELBO, "
+        "TraceGraph_ELBO, TraceEnum_ELBO, TraceMeanField_ELBO (and their Jit versions) and "
+        "pyro_gradroute.infer.Trace_ELBO. An estimator whose particle weights depend on log q "
+        "(RenyiELBO, ReweightedWakeSleep, TraceTailAdaptive_ELBO) would be biased: use "
+        "pyro_gradroute.infer.TraceDReG_ELBO (doubly-reparameterized gradients) with the plain "
+        "guide, or pyro_gradroute.infer.TraceSTL_ELBO."
+    )
 
 
 class StickTheLandingMessenger(Messenger):
@@ -173,7 +274,7 @@ class StickTheLandingMessenger(Messenger):
         >>> loss = svi.step(torch.randn(5))
 
     :param trace_steps: the first ``trace_steps`` guide runs with gradients keep the ordinary
-        gradient (see :class:`~pyro_gradroute.poutine.stl_policy.STLPolicy`).
+        gradient (see :class:`STLPolicy`).
     """
 
     def __init__(self, trace_steps: int = 0, switch=None, *, _policy: STLPolicy | None = None):
@@ -202,17 +303,11 @@ class StickTheLandingMessenger(Messenger):
 
     # per site and step: exact type checks, no isinstance against Pyro's ABCs, few calls
     def _process_message(self, msg) -> None:
-        if msg["type"] == "sample":
-            self._pyro_sample(msg)
-
-    def _postprocess_message(self, msg) -> None:
-        if msg["type"] == "sample":
-            self._pyro_post_sample(msg)
-
-    def _pyro_sample(self, msg) -> None:
         run = self._run
-        if msg["value"] is not None or msg["is_observed"] or run is None or not run.stl:
-            return  # observed, a value another handler supplies, or the ordinary gradient
+        if msg["type"] != "sample" or msg["value"] is not None or msg["is_observed"]:
+            return  # observed, or a value another handler supplies
+        if run is None or not run.stl:
+            return  # the ordinary gradient
         fn = msg["fn"]
         gated = type(fn) is GatedDistribution
         base = fn.base_dist if gated else fn
@@ -222,29 +317,37 @@ class StickTheLandingMessenger(Messenger):
         wrapped = PathwiseDistribution._wrap(base, run)
         msg["fn"] = GatedDistribution(wrapped, fn.specs) if gated else wrapped
 
-    def _pyro_post_sample(self, msg) -> None:
+    def _postprocess_message(self, msg) -> None:
+        if msg["type"] != "sample":
+            return
         outer = msg["fn"]
         fn = outer.base_dist if type(outer) is GatedDistribution else outer
         run = self._run
         if type(fn) is not PathwiseDistribution or fn._run is not run:
             return
         value, name, base = msg["value"], msg["name"], fn.base_dist
-        if not self._policy.uses_pathwise(
-            msg
-        ):  # the ordinary parts (score-function sites: Pyro's treatment)
-            if outer is fn:
-                msg["fn"] = base
+        if outer is fn:
+            msg["fn"] = base  # (the policy reads the site with its own distribution)
+        if not self._policy.uses_pathwise(msg):  # the ordinary parts (Pyro's treatment)
             run.add(value)
             return
-        if value is fn._value:
-            self._remember(value)
-        elif not self._drew_before(
-            value
-        ):  # (a replay of an earlier run's draw: sequential enumeration)
+        msg["fn"] = outer
+        if value is fn._value:  # keep (weakly) a sample this handler drew: Pyro's sequential
+            drawn = self._drawn  # enumeration (poutine.queue) replays it in a later run
+            if len(drawn) > 4096:  # forget the samples that are gone
+                for k in [k for k, r in drawn.items() if r() is None]:
+                    del drawn[k]
+            drawn[id(value)] = weakref.ref(value)
+        elif (ref := self._drawn.get(id(value))) is None or ref() is not value:
             if torch.is_tensor(value) and not value.requires_grad and not param_tensors(base):
                 run.add(value)  # nothing to stop: another handler's value passes through
                 return
-            raise _not_drawn(name)
+            raise ValueError(
+                f"stick_the_landing: the value of site '{name}' is not the sample its "
+                "distribution drew: another handler outside the handler replaced it (e.g. "
+                "poutine.replay), or the handler wraps the model instead of the guide. Wrap "
+                "the guide only: SVI(model, stick_the_landing(guide), ...)."
+            )
         d = delta_base(base)
         owner = None
         if d is not None:  # no random draw: its ordinary parts, unless its density reads
@@ -263,22 +366,6 @@ class StickTheLandingMessenger(Messenger):
             site.parts = _PENDING
             run.pending.append(site)
         run.add(value)
-
-    def _remember(self, value: torch.Tensor) -> None:
-        """Keep (weakly) a sample this handler drew: a later run may replay it.
-
-        Pyro's sequential enumeration (``poutine.queue``) runs the guide several times per
-        step, replaying the samples drawn before the enumerated site.
-        """
-        drawn = self._drawn
-        if len(drawn) > 4096:  # forget the samples that are gone
-            for k in [k for k, r in drawn.items() if r() is None]:
-                del drawn[k]
-        drawn[id(value)] = weakref.ref(value)
-
-    def _drew_before(self, value) -> bool:
-        ref = self._drawn.get(id(value))
-        return ref is not None and ref() is value
 
     def __exit__(self, *args):
         run, self._run = self._run, None  # (the trace's wrappers keep what they need)
@@ -301,15 +388,6 @@ class StickTheLandingMessenger(Messenger):
         return state
 
 
-def _not_drawn(name: str) -> ValueError:
-    return ValueError(
-        f"stick_the_landing: the value of site '{name}' is not the sample its distribution "
-        "drew: another handler outside the handler replaced it (e.g. poutine.replay), or the "
-        "handler wraps the model instead of the guide. Wrap the guide only: "
-        "SVI(model, stick_the_landing(guide), ...)."
-    )
-
-
 def stick_the_landing(
     fn: Callable | None = None, *, trace_steps: int = 0, switch=None
 ) -> StickTheLandingMessenger | Callable:
@@ -317,7 +395,7 @@ def stick_the_landing(
 
     ``trace_steps``: the first ``trace_steps`` runs of the guide with gradients enabled
     (one per SVI step and particle) keep the ordinary gradient; sticking the landing
-    starts after them (see :class:`~pyro_gradroute.poutine.stl_policy.STLPolicy`).
+    starts after them (see :class:`STLPolicy`).
     ``switch`` is refused: the measured switch is
     :class:`~pyro_gradroute.infer.TraceAdaptiveSTL_ELBO` ``(mix_gain=math.inf)``.
 
