@@ -8,21 +8,10 @@ parameters, the routed gradient of a parameter :math:`\theta` is
     g(\theta) = \sum_{i \,:\, \theta \notin B_i} \frac{\partial L_i}{\partial \theta},
 
 exactly what the naive computation gives (one forward per term, each blocked term
-differentiated with its blocked parameters detached), but from **one** forward pass.
-
-How the passes are planned (only when some block is *effective*, i.e. a term reaches
-a parameter it is blocked from; otherwise one plain ``backward`` with no overhead):
-
-* the autograd graph of the terms is walked once (``grad_fn.next_functions``; leaves
-  are ``AccumulateGrad`` nodes) to find which parameters each term reaches;
-* plan **by parameters**: parameters are grouped by the set of terms allowed to reach
-  them, one ``backward(inputs=group)`` per distinct set (for ``y = B(A(x))`` with
-  ``loss2`` blocked from ``B``: ``loss1 + loss2`` w.r.t. ``A``, then ``loss1`` w.r.t.
-  ``B``, the second pass pruned at ``B``'s input);
-* plan **by terms**: the unblocked terms in one plain pass, each blocked group in a
-  pass with ``inputs`` = its reachable parameters minus its blocked ones;
-* the plan whose passes traverse fewer autograd nodes is run (a pass traverses the
-  nodes lying on a path from its roots to its inputs).
+differentiated with its blocked parameters detached), but from **one** forward pass. Only
+when some block is *effective* (a term reaches a parameter it is blocked from) is the autograd
+graph walked, once, and the cheaper of two plans of pruned ``backward(inputs=...)`` passes run
+(:func:`_candidate_plans`); otherwise it is one plain ``backward`` with no overhead.
 
 Public API: :func:`backward` (accumulate into ``.grad``), :func:`grad` (return
 gradients) and :func:`gate` (a tensor equal to a term whose backward skips chosen
@@ -35,7 +24,7 @@ constant need a forward pass in which they are detached.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -50,12 +39,8 @@ Block = Mapping[Hashable, BlockEntry | Iterable[BlockEntry] | None]
 
 # ----------------------------------------------------------------------------- resolution
 def _resolve(entries, what: str) -> dict[torch.Tensor, str]:
-    """Blocked leaf tensors (hashed by identity) -> a readable name.
-
-    ``entries`` is one ``nn.Module`` or leaf tensor, a mapping ``name -> tensor``, an
-    iterable of modules / leaf tensors / such mappings, or ``None`` (nothing blocked);
-    ``what`` names the argument in errors (e.g. ``"block['l2']"``).
-    """
+    """Blocked leaf tensors (hashed by identity) -> a readable name; ``entries`` is a
+    ``block`` value (see :func:`backward`), ``what`` names it in errors."""
     if entries is None:
         return {}
     if isinstance(entries, (nn.Module, torch.Tensor)):
@@ -91,12 +76,8 @@ def _resolve(entries, what: str) -> dict[torch.Tensor, str]:
 
 
 def _resolve_block(terms: Mapping, block: Block | None) -> dict[Hashable, dict]:
-    """``block`` resolved once: term name -> {blocked leaf: name}, only for the ``terms``
-    that block something (an empty entry, ``None`` or an empty iterable blocks nothing).
-
-    Values are tested with ``is None`` / emptiness of the resolved set, never for truth:
-    a bare tensor (``block={"l2": b}``) is one blocked parameter whatever its value.
-    """
+    """Term name -> {blocked leaf: name}, for the ``terms`` that block something (tested by
+    the resolved set's emptiness, never for truth: ``block={"l2": b}`` blocks the tensor b)."""
     out = {}
     for k in terms:
         if block is not None and k in block:
@@ -137,42 +118,54 @@ def _differentiable(terms: Mapping[Hashable, torch.Tensor]) -> dict[Hashable, to
     return out
 
 
-# ----------------------------------------------------------------------------- graph walk
+# ----------------------------------------------------------------------------- graph walks
+def _next(node) -> list:
+    """The autograd nodes below ``node`` (a leaf's is its ``AccumulateGrad`` node)."""
+    return [f for f, _ in node.next_functions if f is not None]
+
+
+def _roots(tensors: Iterable[torch.Tensor]) -> list:
+    return [t.grad_fn for t in tensors if t.grad_fn is not None]
+
+
+def _walk(roots: Iterable, children=_next, stop=()) -> Iterator:
+    """Every node reachable from ``roots`` through ``children``, once, depth-first, never
+    entering a ``stop`` node (unless it is a root); ``children(node)`` runs after the yield."""
+    stack = list(dict.fromkeys(roots))
+    seen = set(stack)
+    while stack:
+        node = stack.pop()
+        yield node
+        for k in children(node):
+            if k not in seen and k not in stop:
+                seen.add(k)
+                stack.append(k)
+
+
 class _Graph:
     """The autograd graph below some tensors: children of each node, leaf tensor of each leaf."""
 
     def __init__(self, tensors: Iterable[torch.Tensor]):
-        self.children: dict = {}
-        self.leaf: dict = {}
-        stack = [t.grad_fn for t in tensors if t.grad_fn is not None]
-        roots = [t for t in tensors if t.grad_fn is None and t.requires_grad]
-        for t in roots:  # a term that *is* a leaf
-            self.leaf[t] = t
-            self.children[t] = ()
-        while stack:
-            node = stack.pop()
-            if node in self.children:
-                continue
-            kids = tuple(n for n, _ in node.next_functions if n is not None)
-            self.children[node] = kids
+        tensors = list(tensors)
+        # a term that *is* a leaf is its own node
+        self.children: dict = {t: () for t in tensors if t.grad_fn is None and t.requires_grad}
+        self.leaf: dict = {t: t for t in self.children}
+
+        def kids(node):
+            self.children[node] = out = _next(node)
+            return out
+
+        for node in _walk(_roots(tensors), kids):
             var = getattr(node, "variable", None)
             if var is not None:
                 self.leaf[node] = var
-            stack.extend(k for k in kids if k not in self.children)
 
     @staticmethod
     def root(t: torch.Tensor):
         return t.grad_fn if t.grad_fn is not None else t
 
     def reach(self, tensors: Iterable[torch.Tensor]) -> set:
-        seen: set = set()
-        stack = [self.root(t) for t in tensors]
-        while stack:
-            node = stack.pop()
-            if node not in seen:
-                seen.add(node)
-                stack.extend(self.children[node])
-        return seen
+        return set(_walk((self.root(t) for t in tensors), self.children.__getitem__))
 
     def leaves(self, nodes: set) -> dict[torch.Tensor, object]:
         return {self.leaf[n]: n for n in nodes if n in self.leaf}
@@ -184,14 +177,7 @@ class _Graph:
             for n, kids in self.children.items():
                 for k in kids:
                     self._parents.setdefault(k, []).append(n)
-        seen: set = set()
-        stack = list(leaf_nodes)
-        while stack:
-            node = stack.pop()
-            if node not in seen:
-                seen.add(node)
-                stack.extend(self._parents.get(node, ()))
-        return seen
+        return set(_walk(leaf_nodes, lambda n: self._parents.get(n, ())))
 
 
 def reachable_leaves(tensor: torch.Tensor) -> list[torch.Tensor]:
@@ -219,7 +205,12 @@ class _Group:
 
 
 def _candidate_plans(groups: list[_Group]) -> dict[str, list[tuple[list[_Group], list | None]]]:
-    """The two plans, each a list of passes (groups summed, inputs or None = all leaves)."""
+    """The two plans, each a list of passes (groups summed, inputs or None = all leaves).
+
+    By parameters: one pass per distinct set of groups allowed to reach a parameter, with those
+    parameters as inputs. By terms: the unblocked groups in plain passes, each blocked group
+    with inputs = its reachable parameters minus its blocked ones.
+    """
     by_params: dict[frozenset, list] = {}
     for p in set().union(*(g.leaves for g in groups)):
         allowed = frozenset(i for i, g in enumerate(groups) if p in g.leaves and p not in g.blocked)
@@ -284,7 +275,6 @@ def _groups(terms, resolved_block: dict) -> tuple[list[_Group], _Graph, dict]:
         resolved = resolved_block.get(k, {})
         names.update(resolved)
         by_block.setdefault(frozenset(resolved), []).append(t)
-    for k, t in terms.items():
         if bool(torch.isnan(t.detach()).any()):
             warnings.warn(f"routing: term {k!r} is NaN", stacklevel=3)
     graph = _Graph(terms.values())
@@ -292,12 +282,10 @@ def _groups(terms, resolved_block: dict) -> tuple[list[_Group], _Graph, dict]:
     merged: dict[frozenset, list] = {}
     for g in raw:
         merged.setdefault(g.blocked, []).append(g)
-    groups = []
-    for b, gs in merged.items():
-        if len(gs) == 1:
-            groups.append(gs[0])
-        else:
-            groups.append(_Group([t for g in gs for t in g.tensors], b, graph))
+    groups = [
+        gs[0] if len(gs) == 1 else _Group([t for g in gs for t in g.tensors], b, graph)
+        for b, gs in merged.items()
+    ]
     return groups, graph, names
 
 
@@ -436,11 +424,6 @@ def grad(
     return tuple(torch.zeros_like(x) if g is None else g for x, g in zip(inputs, out))
 
 
-def _will_execute(node) -> bool:
-    """Whether the backward pass now running will run (or capture at) ``node``."""
-    return will_engine_execute(node)  # torch's private API lives in _compat
-
-
 def _no_grad_in_no_grad_out(grad_inputs, grad_outputs):
     """Node post-hook: a custom Function sent no gradient sends none (not materialized zeros)."""
     if all(g is None for g in grad_outputs):
@@ -479,12 +462,12 @@ class _GatePlan:
     def check_no_intermediate_captured(self) -> None:
         """Raise if this pass captures a non-leaf tensor of the term's graph (see :func:`gate`)."""
         g = self.graph
-        if all(_will_execute(n) for n in g.leaf):  # a full backward: no captures
+        if all(will_engine_execute(n) for n in g.leaf):  # a full backward: no captures
             return
         for node, kids in g.children.items():
-            if node in g.leaf or not _will_execute(node):
+            if node in g.leaf or not will_engine_execute(node):
                 continue
-            if not any(_will_execute(k) for k in kids):
+            if not any(will_engine_execute(k) for k in kids):
                 raise RuntimeError(
                     "routing.gate: this backward pass asks both for a blocked leaf and for an "
                     f"intermediate (non-leaf) tensor of the gated term (at {type(node).__name__}). "
@@ -495,16 +478,9 @@ class _GatePlan:
 
 
 class _Gate(torch.autograd.Function):
-    """Identity in value. The term is a real input (so the engine keeps its graph and runs
-    this node before any node of it); backward, depending on the pass:
-
-    * the pass reaches no blocked leaf (``torch.autograd.grad`` / ``backward(inputs=...)``
-      without them): the seed goes on into the term's graph, unchanged (exact for every
-      requested tensor, leaf or not, and no extra pass);
-    * otherwise: ``seed * d term / d leaf`` straight to the allowed leaves the pass needs
-      (one re-entrant ``torch.autograd.grad``), and *no* gradient into the term's graph, so
-      a leaf reached only through it gets none at all.
-    """
+    """Identity in value, with the term as a real input. Backward: a pass that reaches no
+    blocked leaf sends the seed on into the term's graph; any other sends ``seed * dterm/dleaf``
+    to the allowed leaves it needs (one re-entrant ``autograd.grad``) and nothing into the graph."""
 
     @staticmethod
     def forward(ctx, plan, term, *leaves):  # type: ignore[override]
@@ -527,10 +503,10 @@ class _Gate(torch.autograd.Function):
                 "differentiate a forward pass with the blocked parameters detached, or use "
                 "plain autograd without routes."
             )
-        if not any(_will_execute(n) for n in plan.blocked_nodes):
+        if not any(will_engine_execute(n) for n in plan.blocked_nodes):
             return (None, grad_out, *nones)
         plan.check_no_intermediate_captured()
-        wanted = [j for j, (_, n) in enumerate(plan.allowed) if _will_execute(n)]
+        wanted = [j for j, (_, n) in enumerate(plan.allowed) if will_engine_execute(n)]
         out: list = list(nones)
         if wanted:
             gs = torch.autograd.grad(
@@ -668,12 +644,10 @@ class taps:
         self._handles.clear()
 
 
-# ----------------------------------------------------------------------------- graph walks
+# ----------------------------------------------------------------------------- graph queries
 def reached(tensor: torch.Tensor, candidates: Sequence[torch.Tensor]) -> list[int]:
-    """Indices of the ``candidates`` whose autograd node lies on ``tensor``'s graph.
-
-    The search stops at candidate nodes (it does not look below them).
-    """
+    """Indices of the ``candidates`` whose autograd node lies on ``tensor``'s graph (the search
+    does not look below candidate nodes)."""
     if tensor.grad_fn is None or not candidates:
         return []
     targets = {c.grad_fn: i for i, c in enumerate(candidates) if c.grad_fn is not None}
@@ -681,27 +655,12 @@ def reached(tensor: torch.Tensor, candidates: Sequence[torch.Tensor]) -> list[in
 
 
 def reached_nodes(tensors: Sequence[torch.Tensor], targets: dict) -> list[int]:
-    """``targets[node]`` (sorted) of the target autograd nodes the tensors' graphs reach.
-
-    One walk for all ``tensors``; it stops at target nodes (it does not look below them).
-    """
+    """``targets[node]`` (sorted) of the target autograd nodes the tensors' graphs reach, in
+    one walk that does not look below a target."""
     if not targets:
         return []
-    hit: set[int] = set()
-    stack = [t.grad_fn for t in tensors if t.grad_fn is not None]
-    seen = set(stack)
-    while stack:
-        node = stack.pop()
-        i = targets.get(node)
-        if i is not None:
-            hit.add(i)
-            continue
-        for f, _ in node.next_functions:
-            # a leaf's accumulator ends the path and is no target (targets are samples')
-            if f is not None and type(f) is not _ACCUMULATE and f not in seen:
-                seen.add(f)
-                stack.append(f)
-    return sorted(hit)
+    nodes = _walk(_roots(tensors), lambda n: () if n in targets else _next(n))
+    return sorted({targets[n] for n in nodes if n in targets})
 
 
 #: autograd nodes of matrix products (a network layer: its output elements mix its inputs)
@@ -720,26 +679,8 @@ def passes_product(tensors: Sequence[torch.Tensor], stop_nodes=()) -> bool:
         >>> passes_product([w.exp() + 1]), passes_product([torch.ones(4, 2) @ w])
         (False, True)
     """
-    stack = [t.grad_fn for t in tensors if t.grad_fn is not None]
-    seen = set(stack)
-    while stack:
-        node = stack.pop()
-        if type(node).__name__.startswith(_PRODUCTS):
-            return True
-        for f, _ in node.next_functions:
-            if f is not None and f not in seen and f not in stop_nodes:
-                seen.add(f)
-                stack.append(f)
-    return False
-
-
-def _accumulate_type() -> type:
-    """The class of the autograd node that accumulates into a leaf (``next_functions`` of its use)."""
-    leaf = torch.zeros((), requires_grad=True)
-    return type((leaf * 1).grad_fn.next_functions[0][0])
-
-
-_ACCUMULATE = _accumulate_type()
+    nodes = _walk(_roots(tensors), stop=stop_nodes)
+    return any(type(n).__name__.startswith(_PRODUCTS) for n in nodes)
 
 
 def reaches_leaf_directly(
@@ -753,20 +694,10 @@ def reaches_leaf_directly(
     if t.grad_fn is None:
         return t.requires_grad
     if stop_nodes is None:
-        stop_nodes = {s.grad_fn for s in stops if s.grad_fn is not None}
+        stop_nodes = set(_roots(stops))
         stop_leaves = {id(s) for s in stops if s.grad_fn is None}
     else:
         stop_leaves = set()
-    seen, stack = {t.grad_fn}, [t.grad_fn]
-    while stack:
-        node = stack.pop()
-        nexts = node.next_functions
-        if not nexts:  # a leaf's accumulator (or a node without inputs)
-            var = getattr(node, "variable", None)
-            if var is not None and id(var) not in stop_leaves:
-                return True
-        for f, _ in nexts:
-            if f is not None and f not in seen and f not in stop_nodes:
-                seen.add(f)
-                stack.append(f)
-    return False
+    nodes = _walk([t.grad_fn], stop=stop_nodes)
+    leaves = (getattr(n, "variable", None) for n in nodes if not n.next_functions)
+    return any(v is not None and id(v) not in stop_leaves for v in leaves)
