@@ -31,9 +31,8 @@ optimizer, or PyTorch Lightning, uses ``torch.nn.parallel.DistributedDataParalle
 under it (``examples/lightning_svi.py``).
 """
 
-from .gradients import ParameterMismatchError, average_gradients
+from .gradients import ParameterMismatchError, average_gradients, broadcast_param_store
 from .optim import DistributedOptimizer
-from .params import broadcast_param_store
 from .setup import DEFAULT_BUCKET_CAP_MB, init_distributed
 from .sharding import ShardedPlate
 

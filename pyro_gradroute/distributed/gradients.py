@@ -1,15 +1,15 @@
-"""Gradient averaging across ranks: :func:`average_gradients` (bucketed ``all_reduce``),
-with a check that every rank holds the same parameters."""
+"""Bucketed collectives on the param store's tensors, with a check that every rank holds the
+same parameters: :func:`average_gradients` and :func:`broadcast_param_store`."""
 
 from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pyro
-import pyro.optim
 import torch
 import torch.distributed as dist
 
@@ -40,8 +40,7 @@ def _param_names(params: Iterable[torch.Tensor]) -> list[tuple[str, torch.Tensor
             raise ValueError(
                 "DistributedOptimizer / average_gradients got a tensor that is not in Pyro's "
                 f"param store (shape {tuple(p.shape)}). Only param-store parameters can be "
-                "matched across ranks: create it with pyro.param or pyro.module, or pass "
-                "names explicitly with average_gradients(named_params=...)."
+                "matched across ranks: create it with pyro.param or pyro.module."
             )
         named.append((name, p))
     return sorted(named, key=lambda item: item[0])
@@ -87,12 +86,11 @@ def _check_same_params(named: list[tuple[str, torch.Tensor]], group, what: str) 
 
 
 def _buckets(
-    named: list[tuple[str, torch.Tensor]], cap_bytes: int
+    named: list[tuple[str, torch.Tensor]], cap_mb: float
 ) -> list[list[tuple[str, torch.Tensor]]]:
-    """Groups of at most ``cap_bytes`` (at least one param each) of one dtype and device.
-
-    Params are grouped by (dtype, device), then kept in name order: the same on all ranks.
-    """
+    """Groups of at most ``cap_mb`` megabytes (at least one param each) of one dtype and device,
+    in name order within a (dtype, device): the same on all ranks."""
+    cap_bytes = max(1, int(cap_mb * 2**20))
     ordered = sorted(named, key=lambda item: (str(item[1].dtype), str(item[1].device)))
     buckets: list[list[tuple[str, torch.Tensor]]] = []
     size, key = 0, None
@@ -105,6 +103,34 @@ def _buckets(
         buckets[-1].append((name, p))
         size += nbytes
     return buckets
+
+
+def _views(buckets: list, flats: list) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """``(param, its slice of its bucket's flat tensor)``, bucket by bucket."""
+    for bucket, flat in zip(buckets, flats):
+        offset = 0
+        for _, p in bucket:
+            yield p, flat[offset : offset + p.numel()].view_as(p)
+            offset += p.numel()
+
+
+@contextmanager
+def _collective_errors(what: str):
+    """A collective's ``RuntimeError`` (not a :class:`ParameterMismatchError`) re-raised saying
+    that another rank probably failed first."""
+    try:
+        yield
+    except ParameterMismatchError:
+        raise
+    except RuntimeError as e:
+        if not dist.is_initialized():
+            raise
+        raise RuntimeError(
+            f"{what} failed on rank {dist.get_rank()}: a collective did not complete "
+            f"({type(e).__name__}: {e}). Usually another rank raised or was killed first (look "
+            "for its traceback) or the process group timed out; pass "
+            "init_process_group(..., timeout=datetime.timedelta(seconds=...)) to fail faster."
+        ) from e
 
 
 def average_gradients(
@@ -164,7 +190,7 @@ def average_gradients(
     start = time.perf_counter()
     if check_params:
         _check_same_params(named, group, "average_gradients")
-    buckets = _buckets(named, max(1, int(bucket_cap_mb * 2**20)))
+    buckets = _buckets(named, bucket_cap_mb)
     flats, works = [], []
     for i, bucket in enumerate(buckets):
         dtype, device = bucket[0][1].dtype, bucket[0][1].device
@@ -182,26 +208,53 @@ def average_gradients(
         work.wait()
     elapsed = time.perf_counter() - start
     present = flats[0][-len(named) :].tolist() if named else []
-    index = 0
-    for bucket, flat in zip(buckets, flats):
-        offset = 0
-        for _, p in bucket:
-            n = p.numel()
-            if present[index] > 0:
-                avg = flat[offset : offset + n].view_as(p).div_(world)
-                if p.grad is None:
-                    p.grad = avg.clone()
-                else:
-                    p.grad.copy_(avg)
-            offset += n
-            index += 1
+    for (p, total), there in zip(_views(buckets, flats), present):
+        if there > 0:
+            avg = total.div_(world)
+            if p.grad is None:
+                p.grad = avg.clone()
+            else:
+                p.grad.copy_(avg)
     return elapsed
 
 
-def _wrap_collective_error(what: str, e: Exception) -> RuntimeError:
-    return RuntimeError(
-        f"{what} failed on rank {dist.get_rank()}: a collective did not complete "
-        f"({type(e).__name__}: {e}). Usually another rank raised or was killed first (look "
-        "for its traceback) or the process group timed out; pass "
-        "init_process_group(..., timeout=datetime.timedelta(seconds=...)) to fail faster."
-    )
+def broadcast_param_store(
+    src: int = 0, *, group=None, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB
+) -> None:
+    r"""Copy every parameter of Pyro's param store from rank ``src`` to all ranks, in place.
+
+    .. math::
+
+        \theta^{(r)} \leftarrow \theta^{(\text{src})} \quad \text{for every rank } r
+
+    (on the unconstrained tensors, so constraints are preserved). Call it on every rank
+    after the first model/guide trace created the parameters (``svi.evaluate_loss(batch)``
+    creates the guide's and the model's without a step) and before the first step; with :class:`DistributedOptimizer` they then stay identical.
+    The ranks must hold the same parameter names, shapes and dtypes (a ``RuntimeError``
+    lists the differences). Bucketed like :func:`average_gradients`. Optimizer state is
+    not broadcast: call it before the first optimizer step has built state, or load the
+    same state on every rank.
+
+    Example (one process; a real run has several ranks)::
+
+        >>> import torch, pyro, torch.distributed as dist
+        >>> from pyro_gradroute.distributed import broadcast_param_store, init_distributed
+        >>> device = init_distributed()
+        >>> w = pyro.param("w", torch.randn(3))
+        >>> broadcast_param_store(src=0)
+        >>> dist.destroy_process_group()
+    """
+    _require_initialized("broadcast_param_store")
+    store = pyro.get_param_store()
+    named = sorted(store.named_parameters(), key=lambda item: item[0])
+    if dist.get_world_size(group) == 1:
+        return
+    with _collective_errors("broadcast_param_store"), torch.no_grad():
+        _check_same_params(named, group, "broadcast_param_store")
+        buckets = _buckets(named, bucket_cap_mb)
+        flats = [torch.cat([p.detach().reshape(-1) for _, p in b]) for b in buckets]
+        works = [dist.broadcast(f, src=src, group=group, async_op=True) for f in flats]
+        for work in works:
+            work.wait()
+        for p, value in _views(buckets, flats):
+            p.copy_(value)

@@ -5,14 +5,8 @@ from __future__ import annotations
 
 import pyro
 import pyro.optim
-import torch.distributed as dist
 
-from .gradients import (
-    ParameterMismatchError,
-    _param_names,
-    _wrap_collective_error,
-    average_gradients,
-)
+from .gradients import _collective_errors, _param_names, average_gradients
 from .setup import DEFAULT_BUCKET_CAP_MB
 
 
@@ -96,19 +90,13 @@ class DistributedOptimizer(pyro.optim.PyroOptim):
 
     def __call__(self, params, *args, **kwargs) -> None:
         params = [p for _, p in _param_names(params)]
-        try:
+        with _collective_errors("DistributedOptimizer (gradient all_reduce)"):
             self.comm_seconds += average_gradients(
                 params,
                 group=self.group,
                 bucket_cap_mb=self.bucket_cap_mb,
                 check_params=self.check_params,
             )
-        except ParameterMismatchError:
-            raise
-        except RuntimeError as e:
-            if not dist.is_initialized():
-                raise
-            raise _wrap_collective_error("DistributedOptimizer (gradient all_reduce)", e) from e
         self.num_steps += 1
         self.optim(params, *args, **kwargs)
 

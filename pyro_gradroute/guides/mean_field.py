@@ -324,8 +324,7 @@ class AutoMeanField(AutoGuide):
 
         :return: site name -> sampled value.
         """
-        if self.prototype_trace is None:
-            self._setup_prototype(*args, **kwargs)
+        self._ensure_setup(args, kwargs)
         plates = self._create_plates(*args, **kwargs)
         result = {}
         for name, site in self.prototype_trace.iter_stochastic_nodes():
