@@ -337,13 +337,10 @@ def backward(
     terms = _differentiable(terms)
     if not terms:
         return
-    resolved = _resolve_block(terms, block)
-    if not resolved:
-        sum(terms.values()).backward(retain_graph=retain_graph)
-        return
-    groups, graph, names = _groups(terms, resolved)
+    resolved = _resolve_block(terms, block)  # none: no graph walk
+    groups, graph, names = _groups(terms, resolved) if resolved else ([], None, {})
     if not any(g.blocked for g in groups):
-        _total(groups).backward(retain_graph=retain_graph)
+        sum(terms.values()).backward(retain_graph=retain_graph)
         return
     _warn_never_trained(groups, names)
     plan = _plan(groups, graph)
@@ -386,9 +383,7 @@ def grad(
     ``inputs`` may be a single tensor (the result is then a tuple of one); anything else
     that is not an iterable of tensors raises ``TypeError``.
 
-    First order: the gradients carry no graph (there is no ``create_graph``), since a
-    differentiable routed gradient would need the blocked parameters detached in the
-    forward pass to get the mixed partials right. The same holds for :func:`backward`.
+    First order, as :func:`backward`: the gradients carry no graph (see the module docstring).
 
     Example::
 
@@ -451,30 +446,21 @@ def _skip_none_in_term_hooks(term: torch.Tensor) -> None:
         hooks[key] = safe
 
 
-class _GatePlan:
-    """What one gate's backward needs: its term's graph, and which leaves it may reach."""
-
-    def __init__(self, graph: _Graph, allowed: list, blocked_nodes: list):
-        self.graph = graph
-        self.allowed = allowed  # [(leaf, AccumulateGrad node)]
-        self.blocked_nodes = blocked_nodes
-
-    def check_no_intermediate_captured(self) -> None:
-        """Raise if this pass captures a non-leaf tensor of the term's graph (see :func:`gate`)."""
-        g = self.graph
-        if all(will_engine_execute(n) for n in g.leaf):  # a full backward: no captures
-            return
-        for node, kids in g.children.items():
-            if node in g.leaf or not will_engine_execute(node):
-                continue
-            if not any(will_engine_execute(k) for k in kids):
-                raise RuntimeError(
-                    "routing.gate: this backward pass asks both for a blocked leaf and for an "
-                    f"intermediate (non-leaf) tensor of the gated term (at {type(node).__name__}). "
-                    "One pass cannot give the intermediate dL/dh while keeping the term from the "
-                    "blocked leaf. Ask for the intermediate in a separate torch.autograd.grad "
-                    "call that does not include the blocked leaves, or use routing.grad."
-                )
+def _check_no_intermediate_captured(g: _Graph) -> None:
+    """Raise if this pass captures a non-leaf tensor of the term's graph (see :func:`gate`)."""
+    if all(will_engine_execute(n) for n in g.leaf):  # a full backward: no captures
+        return
+    for node, kids in g.children.items():
+        if node in g.leaf or not will_engine_execute(node):
+            continue
+        if not any(will_engine_execute(k) for k in kids):
+            raise RuntimeError(
+                "routing.gate: this backward pass asks both for a blocked leaf and for an "
+                f"intermediate (non-leaf) tensor of the gated term (at {type(node).__name__}). "
+                "One pass cannot give the intermediate dL/dh while keeping the term from the "
+                "blocked leaf. Ask for the intermediate in a separate torch.autograd.grad "
+                "call that does not include the blocked leaves, or use routing.grad."
+            )
 
 
 class _Gate(torch.autograd.Function):
@@ -484,16 +470,17 @@ class _Gate(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, plan, term, *leaves):  # type: ignore[override]
-        ctx.plan, ctx.term = plan, term
+        # plan: the term's _Graph, [(allowed leaf, its AccumulateGrad node)], blocked leaves' nodes
+        (ctx.graph, ctx.allowed, ctx.blocked_nodes), ctx.term = plan, term
         ctx.set_materialize_grads(False)
         return term.detach().clone()
 
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
-        plan = ctx.plan
-        nones = (None,) * len(plan.allowed)
+        allowed = ctx.allowed
+        out: list = [None] * len(allowed)
         if grad_out is None:  # nothing flows in (an outer gate cut this path)
-            return (None, None, *nones)
+            return (None, None, *out)
         if torch.is_grad_enabled():
             raise NotImplementedError(
                 "routing.gate is first-order only: under create_graph=True the gated term's "
@@ -503,15 +490,14 @@ class _Gate(torch.autograd.Function):
                 "differentiate a forward pass with the blocked parameters detached, or use "
                 "plain autograd without routes."
             )
-        if not any(will_engine_execute(n) for n in plan.blocked_nodes):
-            return (None, grad_out, *nones)
-        plan.check_no_intermediate_captured()
-        wanted = [j for j, (_, n) in enumerate(plan.allowed) if will_engine_execute(n)]
-        out: list = list(nones)
+        if not any(will_engine_execute(n) for n in ctx.blocked_nodes):
+            return (None, grad_out, *out)
+        _check_no_intermediate_captured(ctx.graph)
+        wanted = [j for j, (_, n) in enumerate(allowed) if will_engine_execute(n)]
         if wanted:
             gs = torch.autograd.grad(
                 ctx.term,
-                [plan.allowed[j][0] for j in wanted],
+                [allowed[j][0] for j in wanted],
                 grad_out,
                 retain_graph=True,
                 allow_unused=True,
@@ -586,8 +572,7 @@ def gate(term: torch.Tensor, blocked: BlockEntry | Iterable[BlockEntry] | None) 
             node.register_hook(_no_grad_in_no_grad_out)
             setattr(node, _HOOKED, True)
     _skip_none_in_term_hooks(term)
-    plan = _GatePlan(graph, allowed, blocked_nodes)
-    return _Gate.apply(plan, term, *(p for p, _ in allowed))
+    return _Gate.apply((graph, allowed, blocked_nodes), term, *(p for p, _ in allowed))
 
 
 # ----------------------------------------------------------------------------- taps
