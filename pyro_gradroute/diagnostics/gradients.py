@@ -336,15 +336,8 @@ def compare_gradients(
     for label, elbo in elbos.items():
         st = gradient_stats(model, guide, elbo, *args, num_draws=num_draws, seed=seed, **kwargs)
         df = st.to_dataframe()
-        for stat in ("mean_abs", "variance", "snr"):
-            col = df[stat].to_dict()
-            if stat == "snr":
-                col.update(
-                    {
-                        "(guide)": st.snr(st.guide_params),
-                        "(model)": st.snr(st.model_params),
-                        "(all)": st.snr(),
-                    }
-                )
-            columns[(stat, label)] = col
+        for stat in ("mean_abs", "variance"):
+            columns[(stat, label)] = df[stat].to_dict()
+        groups = {"(guide)": st.guide_params, "(model)": st.model_params, "(all)": None}
+        columns[("snr", label)] = df["snr"].to_dict() | {k: st.snr(v) for k, v in groups.items()}
     return pd.DataFrame(columns)

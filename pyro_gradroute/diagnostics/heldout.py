@@ -28,10 +28,6 @@ from .inference_data import latent_and_observed
 from .plates import trace_model
 
 
-def _num_observations(trace, observed) -> int:
-    return sum(trace.nodes[k]["fn"].batch_shape.numel() for k in observed)
-
-
 def _heldout_log_probs(model, draws, heldout_args, kwargs, observed, base):
     """``(site, (S,) + batch shape log p(x~ | z_s))`` for every observed site: one vectorized
     ``Predictive`` pass, or one conditioned run per draw when the draws were made one by one."""
@@ -91,7 +87,7 @@ def heldout_log_likelihood(
     kwargs = kwargs or {}
     base = trace_model(model, heldout_args, kwargs)
     _, observed = latent_and_observed(base)
-    n = _num_observations(base, observed)
+    n = sum(base.nodes[k]["fn"].batch_shape.numel() for k in observed)
     if not n:
         raise ValueError("heldout_log_likelihood: the model has no observed sites on held-out data")
     if method == "marginal":
