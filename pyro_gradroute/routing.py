@@ -78,16 +78,12 @@ def _resolve(entries, what: str) -> dict[torch.Tensor, str]:
 def _resolve_block(terms: Mapping, block: Block | None) -> dict[Hashable, dict]:
     """Term name -> {blocked leaf: name}, for the ``terms`` that block something (tested by
     the resolved set's emptiness, never for truth: ``block={"l2": b}`` blocks the tensor b)."""
-    out = {}
-    for k in terms:
-        if block is not None and k in block:
-            resolved = _resolve(block[k], f"block[{k!r}]")
-            if resolved:
-                out[k] = resolved
-    return out
+    resolved = {k: _resolve(block[k], f"block[{k!r}]") for k in terms if k in (block or {})}
+    return {k: r for k, r in resolved.items() if r}
 
 
-def _check_keys(terms: Mapping, block: Block | None, strict: bool) -> None:
+def _terms(terms: Mapping, block: Block | None, strict: bool) -> dict[Hashable, torch.Tensor]:
+    """The differentiable ``terms`` (scalars), once ``terms`` and ``block`` are checked."""
     if not isinstance(terms, Mapping):
         raise TypeError(
             "terms must be a mapping name -> scalar tensor (e.g. {'recon': l1, 'kl': l2}), "
@@ -104,9 +100,6 @@ def _check_keys(terms: Mapping, block: Block | None, strict: bool) -> None:
             f"block names no term: {unknown}; the terms are {list(terms)}. Fix the key, or "
             "pass strict=False if blocks for absent terms are expected."
         )
-
-
-def _differentiable(terms: Mapping[Hashable, torch.Tensor]) -> dict[Hashable, torch.Tensor]:
     out = {}
     for k, t in terms.items():
         if not torch.is_tensor(t):
@@ -160,12 +153,9 @@ class _Graph:
             if var is not None:
                 self.leaf[node] = var
 
-    @staticmethod
-    def root(t: torch.Tensor):
-        return t.grad_fn if t.grad_fn is not None else t
-
     def reach(self, tensors: Iterable[torch.Tensor]) -> set:
-        return set(_walk((self.root(t) for t in tensors), self.children.__getitem__))
+        roots = (t if t.grad_fn is None else t.grad_fn for t in tensors)  # a leaf term is a node
+        return set(_walk(roots, self.children.__getitem__))
 
     def leaves(self, nodes: set) -> dict[torch.Tensor, object]:
         return {self.leaf[n]: n for n in nodes if n in self.leaf}
@@ -333,8 +323,7 @@ def backward(
     :raises TypeError: if ``terms`` (or ``block``) is not a mapping.
     :warns UserWarning: if a parameter is blocked from every term that reaches it.
     """
-    _check_keys(terms, block, strict)
-    terms = _differentiable(terms)
+    terms = _terms(terms, block, strict)
     if not terms:
         return
     resolved = _resolve_block(terms, block)  # none: no graph walk
@@ -396,8 +385,7 @@ def grad(
         (tensor(33.), tensor(2.))
     """
     inputs = _as_inputs(inputs)
-    _check_keys(terms, block, strict)
-    terms = _differentiable(terms)
+    terms = _terms(terms, block, strict)
     resolved = _resolve_block(terms, block)
     by_allowed: dict[tuple, list[int]] = {}
     for j, x in enumerate(inputs):

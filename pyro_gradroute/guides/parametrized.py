@@ -235,10 +235,6 @@ class ParametrizedDistribution(PyroModule):
         fixed = ", ".join(self.fixed) or "nothing"
         return f"learned [{learned}], fixed [{fixed}]"
 
-    def param_name(self, arg: str) -> str:
-        """The param-store name of argument ``arg``: ``f"{name}.{arg}"``."""
-        return f"{self.name}.{arg}"
-
     def params(self) -> dict[str, torch.Tensor]:
         """Current constrained values of the learned arguments (``pyro.param`` statements).
 
