@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -344,15 +345,11 @@ def _as_inputs(inputs) -> list[torch.Tensor]:
     """``inputs`` as torch.autograd.grad takes them: one tensor, or an iterable of tensors."""
     if torch.is_tensor(inputs):
         return [inputs]
-    if isinstance(inputs, (str, bytes, Mapping)) or not isinstance(inputs, Iterable):
-        raise TypeError(
-            "routing.grad: inputs must be a tensor or a sequence of tensors, got "
-            f"{type(inputs).__name__}"
-        )
-    out = list(inputs)
+    ok = isinstance(inputs, Iterable) and not isinstance(inputs, (str, bytes, Mapping))
+    out = list(inputs) if ok else [inputs]
     bad = [f"{j}: {type(x).__name__}" for j, x in enumerate(out) if not torch.is_tensor(x)]
     if bad:
-        raise TypeError(f"routing.grad: inputs must all be tensors; not tensors: {bad}")
+        raise TypeError(f"routing.grad: inputs must be a tensor or a sequence of tensors; {bad}")
     return out
 
 
@@ -564,7 +561,8 @@ def gate(term: torch.Tensor, blocked: BlockEntry | Iterable[BlockEntry] | None) 
 
 
 # ----------------------------------------------------------------------------- taps
-class taps:
+@contextmanager
+def taps(entries: Sequence[tuple[torch.Tensor, torch.Tensor | None]]) -> Iterator[list]:
     r"""Add a known tensor to the gradient that reaches each of some tensors, and record it.
 
     Inside the ``with`` block, a backward that reaches tensor :math:`t_i` with gradient
@@ -587,34 +585,28 @@ class taps:
         >>> seen[0].item(), w.grad.item()  # d(h^2)/dh = 2h = 12; (12 + 1) * 3
         (12.0, 39.0)
     """
+    entries = list(entries)
+    seen: list[torch.Tensor | None] = [None] * len(entries)
+    by_tensor: dict[int, list[int]] = {}
+    for i, (t, _) in enumerate(entries):
+        by_tensor.setdefault(id(t), []).append(i)
+    handles = []
+    for idx in by_tensor.values():
+        deltas = [entries[i][1] for i in idx if entries[i][1] is not None]
 
-    def __init__(self, entries: Sequence[tuple[torch.Tensor, torch.Tensor | None]]):
-        self.entries = list(entries)
-        self.seen: list[torch.Tensor | None] = [None] * len(self.entries)
-        self._handles: list = []
+        def hook(g, idx=idx, deltas=deltas):
+            for i in idx:
+                seen[i] = g
+            for d in deltas:
+                g = g + d
+            return g
 
-    def __enter__(self) -> list[torch.Tensor | None]:
-        by_tensor: dict[int, list[int]] = {}
-        for i, (t, _) in enumerate(self.entries):
-            by_tensor.setdefault(id(t), []).append(i)
-        for idx in by_tensor.values():
-            t = self.entries[idx[0]][0]
-            deltas = [self.entries[i][1] for i in idx if self.entries[i][1] is not None]
-
-            def hook(g, idx=idx, deltas=deltas):
-                for i in idx:
-                    self.seen[i] = g
-                for d in deltas:
-                    g = g + d
-                return g
-
-            self._handles.append(t.register_hook(hook))
-        return self.seen
-
-    def __exit__(self, *exc) -> None:
-        for h in self._handles:
+        handles.append(entries[idx[0]][0].register_hook(hook))
+    try:
+        yield seen
+    finally:
+        for h in handles:
             h.remove()
-        self._handles.clear()
 
 
 # ----------------------------------------------------------------------------- graph queries

@@ -43,15 +43,6 @@ class VectorizationError(RuntimeError):
     """The model or guide failed when run vectorized over the draws."""
 
 
-class PointwiseUnavailable:
-    """Stands for an observed site whose pointwise log-likelihood does not exist (an enumerated
-    site summed out over several points or sites); :meth:`ImportanceDraws.pointwise_log_prob`
-    raises with its reason."""
-
-    def __init__(self, site: str, reason: str) -> None:
-        self.site, self.reason = site, reason
-
-
 @dataclass
 class ImportanceDraws:
     r"""``S`` guide draws replayed through the model.
@@ -60,7 +51,8 @@ class ImportanceDraws:
     :ivar values: ``{site: (S,) + plain value shape}`` for every latent (and deterministic)
         sample site of the model.
     :ivar log_probs: ``{site: (S,) + plain batch shape}``: unscaled ``log p(value | ...)`` of
-        every observed site (event dimensions summed).
+        every observed site (event dimensions summed), or the reason (a string) where there is
+        none (an enumerated site summed out over several points or sites).
     :ivar base_trace: one plain (unvectorized) trace of the model: shapes, plates, observations.
     :ivar vectorized: whether the draws were made in one vectorized pass.
     :ivar full_plates: ``{plate: (points the model's plate draws, full size)}`` for each
@@ -110,9 +102,9 @@ class ImportanceDraws:
 
         :raises EnumerationError: where that log-likelihood does not factor over points."""
         lp = self.log_probs[name]
-        if isinstance(lp, PointwiseUnavailable):
+        if isinstance(lp, str):
             raise EnumerationError(
-                f"no pointwise log-likelihood for observed site {name!r}: {lp.reason}. "
+                f"no pointwise log-likelihood for observed site {name!r}: {lp}. "
                 "psis_khat and the log-ratios still work; for az.loo, make the enumerated "
                 "site local to one observed site's plate."
             )
@@ -231,8 +223,8 @@ def _draws(model, guide, args, kwargs, num_samples, nesting, base) -> Importance
         if not _observed(site):
             values[name] = _per_draw(site["value"], n, plain["value"].shape)
             layout[name] = site["value"].detach()
-        elif isinstance(lps[name], str):
-            log_probs[name] = PointwiseUnavailable(name, lps[name])
+        elif isinstance(lps[name], str):  # the reason it has none
+            log_probs[name] = lps[name]
         else:
             log_probs[name] = _per_draw(lps[name], n, plain["fn"].batch_shape)
     log_w, log_q = (t.detach().expand(n).clone() for t in (log_w, log_q))
@@ -252,7 +244,7 @@ def _sequential(model, guide, args, kwargs, num_samples, base, progress) -> Impo
     def cat(field: str) -> dict:
         parts = [getattr(d, field) for d in ds]
         return {
-            k: v if isinstance(v, PointwiseUnavailable) else torch.cat([p[k] for p in parts])
+            k: v if isinstance(v, str) else torch.cat([p[k] for p in parts])
             for k, v in parts[-1].items()
         }
 

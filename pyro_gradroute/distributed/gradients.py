@@ -56,16 +56,12 @@ def _signature(named: list[tuple[str, torch.Tensor]]) -> int:
     return int.from_bytes(h.digest(), "little") >> 2
 
 
-def _collective_device(group) -> torch.device:
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def _check_same_params(named: list[tuple[str, torch.Tensor]], group, what: str) -> None:
     """Raise on every rank, with the differing names, unless all ranks hold the same params."""
     sig = _signature(named)
-    t = torch.tensor([sig, -sig], dtype=torch.int64, device=_collective_device(group))
+    nccl = dist.get_backend(group) == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    t = torch.tensor([sig, -sig], dtype=torch.int64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     if int(t[0]) == -int(t[1]):
         return

@@ -185,7 +185,7 @@ class ParametrizedDistribution(PyroModule):
             self.constraints[arg] = constraint
             self.init[arg] = value
         try:
-            built = self._build({**self.fixed, **self.init})
+            built = self.family(**self.fixed, **self.init)
         except (ValueError, TypeError, RuntimeError) as e:
             hint = f"; pass exactly one of {alternatives}" if alternatives and not chosen else ""
             raise ValueError(
@@ -256,12 +256,9 @@ class ParametrizedDistribution(PyroModule):
         self.params()  # take the param store's leaves, if it has newer ones
         return super().parameters(recurse)
 
-    def _build(self, values: Mapping[str, Any]) -> Distribution:
-        return self.family(**values)
-
     def distribution(self) -> Distribution:
         """``family(**current values)`` without the ``event_dim`` reinterpretation."""
-        return self._build({**self.fixed, **self.params()})
+        return self.family(**self.fixed, **self.params())
 
     def forward(self) -> Distribution:
         """A fresh ``family(...)`` built from the current parameter values."""
