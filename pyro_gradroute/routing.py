@@ -549,8 +549,7 @@ def gate(term: torch.Tensor, blocked: BlockEntry | Iterable[BlockEntry] | None) 
     allowed = [(p, n) for p, n in leaves.items() if p not in blocked_set]
     # PyTorch calls a custom Function with zeros where no gradient flows in: that would
     # hand blocked leaves a zero .grad. Such nodes above a blocked leaf send none instead.
-    above_blocked = graph.coreach(blocked_nodes)
-    for node in above_blocked:
+    for node in graph.coreach(blocked_nodes):
         if isinstance(node, torch.autograd.function.BackwardCFunction) and not getattr(
             node, _HOOKED, False
         ):
@@ -658,11 +657,9 @@ def reaches_leaf_directly(
     """
     if t.grad_fn is None:
         return t.requires_grad
+    stop_leaves = {id(s) for s in stops if s.grad_fn is None}
     if stop_nodes is None:
         stop_nodes = set(_roots(stops))
-        stop_leaves = {id(s) for s in stops if s.grad_fn is None}
-    else:
-        stop_leaves = set()
     nodes = _walk([t.grad_fn], stop=stop_nodes)
     leaves = (getattr(n, "variable", None) for n in nodes if not n.next_functions)
     return any(v is not None and id(v) not in stop_leaves for v in leaves)

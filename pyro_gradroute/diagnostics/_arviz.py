@@ -30,11 +30,8 @@ def from_dict(
     dims: dict,
     attrs: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> Any:
-    """``arviz.from_dict`` on either line: an ``InferenceData`` (0.23) or a ``DataTree`` (1.x).
-
-    ``groups`` maps group name -> {variable: array} (empty groups are dropped; sample groups
-    lead with ``(chain, draw)``); ``attrs`` maps group name -> attributes added to that group.
-    """
+    """``arviz.from_dict`` on either line, from ``{group: {variable: array}}`` (empty groups
+    dropped) and ``{group: attributes}``."""
     az = import_arviz()
     groups = {k: dict(v) for k, v in groups.items() if v}
     if arviz_major() >= 1:

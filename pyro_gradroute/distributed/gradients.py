@@ -259,15 +259,11 @@ class DistributedOptimizer(pyro.optim.PyroOptim):
     r"""Average gradients across ``torch.distributed`` ranks, then step a Pyro optimizer.
 
     The counterpart of :class:`pyro.optim.HorovodOptimizer` on ``torch.distributed``.
-    Each call (SVI calls it once per step with the parameters the trace touched)
-
-    1. sorts the parameters by param-store name, so all ranks agree on the order;
-    2. replaces every gradient by the rank average
-       :math:`\bar g = \frac1R \sum_r g_r` (:func:`average_gradients`: bucketed
-       ``all_reduce``; ``None`` counts as zero unless it is ``None`` on every rank;
-       a clear error if the ranks' parameters differ);
-    3. calls the wrapped optimizer, whose gradient clipping therefore acts on
-       :math:`\bar g`, identically on every rank.
+    Each call (SVI makes one per step, with the parameters the trace touched) replaces every
+    gradient by the rank average :math:`\bar g = \frac1R \sum_r g_r` (:func:`average_gradients`,
+    in param-store-name order on every rank; ``None`` counts as zero unless it is ``None`` on
+    every rank; a clear error if the ranks' parameters differ), then calls the wrapped
+    optimizer, whose gradient clipping therefore acts on :math:`\bar g`, identically on every rank.
 
     Starting from identical parameters (:func:`broadcast_param_store`), the ranks stay
     identical. Only ``.grad`` is read and written, so any ELBO works. The wrapped

@@ -1,10 +1,7 @@
 """Comparing supports: does a family live on a site's support, or on the reals?
 
-Constraints have no ``__eq__``; :func:`support_key` reduces one to a canonical,
-hashable key so that ``constraints.positive`` (``GreaterThan(0)``, LogNormal's
-support) and ``constraints.nonnegative`` (``GreaterThanEq(0)``, Gamma's) compare
-equal: they differ on a set of measure zero, which no continuous density sees.
-Likewise ``unit_interval`` and ``half_open_interval(0, 1)``.
+Constraints have no ``__eq__``: :func:`support_key` reduces one to a hashable key, equal for
+supports that differ on a set of measure zero (``positive`` and ``nonnegative``).
 """
 
 from __future__ import annotations
