@@ -8,21 +8,10 @@ parameters, the routed gradient of a parameter :math:`\theta` is
     g(\theta) = \sum_{i \,:\, \theta \notin B_i} \frac{\partial L_i}{\partial \theta},
 
 exactly what the naive computation gives (one forward per term, each blocked term
-differentiated with its blocked parameters detached), but from **one** forward pass.
-
-How the passes are planned (only when some block is *effective*, i.e. a term reaches
-a parameter it is blocked from; otherwise one plain ``backward`` with no overhead):
-
-* the autograd graph of the terms is walked once (``grad_fn.next_functions``; leaves
-  are ``AccumulateGrad`` nodes) to find which parameters each term reaches;
-* plan **by parameters**: parameters are grouped by the set of terms allowed to reach
-  them, one ``backward(inputs=group)`` per distinct set (for ``y = B(A(x))`` with
-  ``loss2`` blocked from ``B``: ``loss1 + loss2`` w.r.t. ``A``, then ``loss1`` w.r.t.
-  ``B``, the second pass pruned at ``B``'s input);
-* plan **by terms**: the unblocked terms in one plain pass, each blocked group in a
-  pass with ``inputs`` = its reachable parameters minus its blocked ones;
-* the plan whose passes traverse fewer autograd nodes is run (a pass traverses the
-  nodes lying on a path from its roots to its inputs).
+differentiated with its blocked parameters detached), but from **one** forward pass. Only
+when some block is *effective* (a term reaches a parameter it is blocked from) is the autograd
+graph walked, once, and the cheaper of two plans of pruned ``backward(inputs=...)`` passes run
+(:func:`_candidate_plans`); otherwise it is one plain ``backward`` with no overhead.
 
 Public API: :func:`backward` (accumulate into ``.grad``), :func:`grad` (return
 gradients) and :func:`gate` (a tensor equal to a term whose backward skips chosen
@@ -35,7 +24,8 @@ constant need a forward pass in which they are detached.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -50,12 +40,8 @@ Block = Mapping[Hashable, BlockEntry | Iterable[BlockEntry] | None]
 
 # ----------------------------------------------------------------------------- resolution
 def _resolve(entries, what: str) -> dict[torch.Tensor, str]:
-    """Blocked leaf tensors (hashed by identity) -> a readable name.
-
-    ``entries`` is one ``nn.Module`` or leaf tensor, a mapping ``name -> tensor``, an
-    iterable of modules / leaf tensors / such mappings, or ``None`` (nothing blocked);
-    ``what`` names the argument in errors (e.g. ``"block['l2']"``).
-    """
+    """Blocked leaf tensors (hashed by identity) -> a readable name; ``entries`` is a
+    ``block`` value (see :func:`backward`), ``what`` names it in errors."""
     if entries is None:
         return {}
     if isinstance(entries, (nn.Module, torch.Tensor)):
@@ -91,22 +77,14 @@ def _resolve(entries, what: str) -> dict[torch.Tensor, str]:
 
 
 def _resolve_block(terms: Mapping, block: Block | None) -> dict[Hashable, dict]:
-    """``block`` resolved once: term name -> {blocked leaf: name}, only for the ``terms``
-    that block something (an empty entry, ``None`` or an empty iterable blocks nothing).
-
-    Values are tested with ``is None`` / emptiness of the resolved set, never for truth:
-    a bare tensor (``block={"l2": b}``) is one blocked parameter whatever its value.
-    """
-    out = {}
-    for k in terms:
-        if block is not None and k in block:
-            resolved = _resolve(block[k], f"block[{k!r}]")
-            if resolved:
-                out[k] = resolved
-    return out
+    """Term name -> {blocked leaf: name}, for the ``terms`` that block something (tested by
+    the resolved set's emptiness, never for truth: ``block={"l2": b}`` blocks the tensor b)."""
+    resolved = {k: _resolve(block[k], f"block[{k!r}]") for k in terms if k in (block or {})}
+    return {k: r for k, r in resolved.items() if r}
 
 
-def _check_keys(terms: Mapping, block: Block | None, strict: bool) -> None:
+def _terms(terms: Mapping, block: Block | None, strict: bool) -> dict[Hashable, torch.Tensor]:
+    """The differentiable ``terms`` (scalars), once ``terms`` and ``block`` are checked."""
     if not isinstance(terms, Mapping):
         raise TypeError(
             "terms must be a mapping name -> scalar tensor (e.g. {'recon': l1, 'kl': l2}), "
@@ -123,9 +101,6 @@ def _check_keys(terms: Mapping, block: Block | None, strict: bool) -> None:
             f"block names no term: {unknown}; the terms are {list(terms)}. Fix the key, or "
             "pass strict=False if blocks for absent terms are expected."
         )
-
-
-def _differentiable(terms: Mapping[Hashable, torch.Tensor]) -> dict[Hashable, torch.Tensor]:
     out = {}
     for k, t in terms.items():
         if not torch.is_tensor(t):
@@ -137,42 +112,51 @@ def _differentiable(terms: Mapping[Hashable, torch.Tensor]) -> dict[Hashable, to
     return out
 
 
-# ----------------------------------------------------------------------------- graph walk
+# ----------------------------------------------------------------------------- graph walks
+def _next(node) -> list:
+    """The autograd nodes below ``node`` (a leaf's is its ``AccumulateGrad`` node)."""
+    return [f for f, _ in node.next_functions if f is not None]
+
+
+def _roots(tensors: Iterable[torch.Tensor]) -> list:
+    return [t.grad_fn for t in tensors if t.grad_fn is not None]
+
+
+def _walk(roots: Iterable, children=_next, stop=()) -> Iterator:
+    """Every node reachable from ``roots`` through ``children``, once, depth-first, never
+    entering a ``stop`` node (unless it is a root); ``children(node)`` runs after the yield."""
+    stack = list(dict.fromkeys(roots))
+    seen = set(stack)
+    while stack:
+        node = stack.pop()
+        yield node
+        for k in children(node):
+            if k not in seen and k not in stop:
+                seen.add(k)
+                stack.append(k)
+
+
 class _Graph:
     """The autograd graph below some tensors: children of each node, leaf tensor of each leaf."""
 
     def __init__(self, tensors: Iterable[torch.Tensor]):
-        self.children: dict = {}
-        self.leaf: dict = {}
-        stack = [t.grad_fn for t in tensors if t.grad_fn is not None]
-        roots = [t for t in tensors if t.grad_fn is None and t.requires_grad]
-        for t in roots:  # a term that *is* a leaf
-            self.leaf[t] = t
-            self.children[t] = ()
-        while stack:
-            node = stack.pop()
-            if node in self.children:
-                continue
-            kids = tuple(n for n, _ in node.next_functions if n is not None)
-            self.children[node] = kids
+        tensors = list(tensors)
+        # a term that *is* a leaf is its own node
+        self.children: dict = {t: () for t in tensors if t.grad_fn is None and t.requires_grad}
+        self.leaf: dict = {t: t for t in self.children}
+
+        def kids(node):
+            self.children[node] = out = _next(node)
+            return out
+
+        for node in _walk(_roots(tensors), kids):
             var = getattr(node, "variable", None)
             if var is not None:
                 self.leaf[node] = var
-            stack.extend(k for k in kids if k not in self.children)
-
-    @staticmethod
-    def root(t: torch.Tensor):
-        return t.grad_fn if t.grad_fn is not None else t
 
     def reach(self, tensors: Iterable[torch.Tensor]) -> set:
-        seen: set = set()
-        stack = [self.root(t) for t in tensors]
-        while stack:
-            node = stack.pop()
-            if node not in seen:
-                seen.add(node)
-                stack.extend(self.children[node])
-        return seen
+        roots = (t if t.grad_fn is None else t.grad_fn for t in tensors)  # a leaf term is a node
+        return set(_walk(roots, self.children.__getitem__))
 
     def leaves(self, nodes: set) -> dict[torch.Tensor, object]:
         return {self.leaf[n]: n for n in nodes if n in self.leaf}
@@ -184,14 +168,7 @@ class _Graph:
             for n, kids in self.children.items():
                 for k in kids:
                     self._parents.setdefault(k, []).append(n)
-        seen: set = set()
-        stack = list(leaf_nodes)
-        while stack:
-            node = stack.pop()
-            if node not in seen:
-                seen.add(node)
-                stack.extend(self._parents.get(node, ()))
-        return seen
+        return set(_walk(leaf_nodes, lambda n: self._parents.get(n, ())))
 
 
 def reachable_leaves(tensor: torch.Tensor) -> list[torch.Tensor]:
@@ -219,7 +196,12 @@ class _Group:
 
 
 def _candidate_plans(groups: list[_Group]) -> dict[str, list[tuple[list[_Group], list | None]]]:
-    """The two plans, each a list of passes (groups summed, inputs or None = all leaves)."""
+    """The two plans, each a list of passes (groups summed, inputs or None = all leaves).
+
+    By parameters: one pass per distinct set of groups allowed to reach a parameter, with those
+    parameters as inputs. By terms: the unblocked groups in plain passes, each blocked group
+    with inputs = its reachable parameters minus its blocked ones.
+    """
     by_params: dict[frozenset, list] = {}
     for p in set().union(*(g.leaves for g in groups)):
         allowed = frozenset(i for i, g in enumerate(groups) if p in g.leaves and p not in g.blocked)
@@ -284,7 +266,6 @@ def _groups(terms, resolved_block: dict) -> tuple[list[_Group], _Graph, dict]:
         resolved = resolved_block.get(k, {})
         names.update(resolved)
         by_block.setdefault(frozenset(resolved), []).append(t)
-    for k, t in terms.items():
         if bool(torch.isnan(t.detach()).any()):
             warnings.warn(f"routing: term {k!r} is NaN", stacklevel=3)
     graph = _Graph(terms.values())
@@ -292,12 +273,10 @@ def _groups(terms, resolved_block: dict) -> tuple[list[_Group], _Graph, dict]:
     merged: dict[frozenset, list] = {}
     for g in raw:
         merged.setdefault(g.blocked, []).append(g)
-    groups = []
-    for b, gs in merged.items():
-        if len(gs) == 1:
-            groups.append(gs[0])
-        else:
-            groups.append(_Group([t for g in gs for t in g.tensors], b, graph))
+    groups = [
+        gs[0] if len(gs) == 1 else _Group([t for g in gs for t in g.tensors], b, graph)
+        for b, gs in merged.items()
+    ]
     return groups, graph, names
 
 
@@ -345,17 +324,13 @@ def backward(
     :raises TypeError: if ``terms`` (or ``block``) is not a mapping.
     :warns UserWarning: if a parameter is blocked from every term that reaches it.
     """
-    _check_keys(terms, block, strict)
-    terms = _differentiable(terms)
+    terms = _terms(terms, block, strict)
     if not terms:
         return
-    resolved = _resolve_block(terms, block)
-    if not resolved:
-        sum(terms.values()).backward(retain_graph=retain_graph)
-        return
-    groups, graph, names = _groups(terms, resolved)
+    resolved = _resolve_block(terms, block)  # none: no graph walk
+    groups, graph, names = _groups(terms, resolved) if resolved else ([], None, {})
     if not any(g.blocked for g in groups):
-        _total(groups).backward(retain_graph=retain_graph)
+        sum(terms.values()).backward(retain_graph=retain_graph)
         return
     _warn_never_trained(groups, names)
     plan = _plan(groups, graph)
@@ -370,15 +345,11 @@ def _as_inputs(inputs) -> list[torch.Tensor]:
     """``inputs`` as torch.autograd.grad takes them: one tensor, or an iterable of tensors."""
     if torch.is_tensor(inputs):
         return [inputs]
-    if isinstance(inputs, (str, bytes, Mapping)) or not isinstance(inputs, Iterable):
-        raise TypeError(
-            "routing.grad: inputs must be a tensor or a sequence of tensors, got "
-            f"{type(inputs).__name__}"
-        )
-    out = list(inputs)
+    ok = isinstance(inputs, Iterable) and not isinstance(inputs, (str, bytes, Mapping))
+    out = list(inputs) if ok else [inputs]
     bad = [f"{j}: {type(x).__name__}" for j, x in enumerate(out) if not torch.is_tensor(x)]
     if bad:
-        raise TypeError(f"routing.grad: inputs must all be tensors; not tensors: {bad}")
+        raise TypeError(f"routing.grad: inputs must be a tensor or a sequence of tensors; {bad}")
     return out
 
 
@@ -398,9 +369,7 @@ def grad(
     ``inputs`` may be a single tensor (the result is then a tuple of one); anything else
     that is not an iterable of tensors raises ``TypeError``.
 
-    First order: the gradients carry no graph (there is no ``create_graph``), since a
-    differentiable routed gradient would need the blocked parameters detached in the
-    forward pass to get the mixed partials right. The same holds for :func:`backward`.
+    First order, as :func:`backward`: the gradients carry no graph (see the module docstring).
 
     Example::
 
@@ -413,8 +382,7 @@ def grad(
         (tensor(33.), tensor(2.))
     """
     inputs = _as_inputs(inputs)
-    _check_keys(terms, block, strict)
-    terms = _differentiable(terms)
+    terms = _terms(terms, block, strict)
     resolved = _resolve_block(terms, block)
     by_allowed: dict[tuple, list[int]] = {}
     for j, x in enumerate(inputs):
@@ -434,11 +402,6 @@ def grad(
         for j, g in zip(js, gs):
             out[j] = g
     return tuple(torch.zeros_like(x) if g is None else g for x, g in zip(inputs, out))
-
-
-def _will_execute(node) -> bool:
-    """Whether the backward pass now running will run (or capture at) ``node``."""
-    return will_engine_execute(node)  # torch's private API lives in _compat
 
 
 def _no_grad_in_no_grad_out(grad_inputs, grad_outputs):
@@ -468,56 +431,41 @@ def _skip_none_in_term_hooks(term: torch.Tensor) -> None:
         hooks[key] = safe
 
 
-class _GatePlan:
-    """What one gate's backward needs: its term's graph, and which leaves it may reach."""
-
-    def __init__(self, graph: _Graph, allowed: list, blocked_nodes: list):
-        self.graph = graph
-        self.allowed = allowed  # [(leaf, AccumulateGrad node)]
-        self.blocked_nodes = blocked_nodes
-
-    def check_no_intermediate_captured(self) -> None:
-        """Raise if this pass captures a non-leaf tensor of the term's graph (see :func:`gate`)."""
-        g = self.graph
-        if all(_will_execute(n) for n in g.leaf):  # a full backward: no captures
-            return
-        for node, kids in g.children.items():
-            if node in g.leaf or not _will_execute(node):
-                continue
-            if not any(_will_execute(k) for k in kids):
-                raise RuntimeError(
-                    "routing.gate: this backward pass asks both for a blocked leaf and for an "
-                    f"intermediate (non-leaf) tensor of the gated term (at {type(node).__name__}). "
-                    "One pass cannot give the intermediate dL/dh while keeping the term from the "
-                    "blocked leaf. Ask for the intermediate in a separate torch.autograd.grad "
-                    "call that does not include the blocked leaves, or use routing.grad."
-                )
+def _check_no_intermediate_captured(g: _Graph) -> None:
+    """Raise if this pass captures a non-leaf tensor of the term's graph (see :func:`gate`)."""
+    if all(will_engine_execute(n) for n in g.leaf):  # a full backward: no captures
+        return
+    for node, kids in g.children.items():
+        if node in g.leaf or not will_engine_execute(node):
+            continue
+        if not any(will_engine_execute(k) for k in kids):
+            raise RuntimeError(
+                "routing.gate: this backward pass asks both for a blocked leaf and for an "
+                f"intermediate (non-leaf) tensor of the gated term (at {type(node).__name__}). "
+                "One pass cannot give the intermediate dL/dh while keeping the term from the "
+                "blocked leaf. Ask for the intermediate in a separate torch.autograd.grad "
+                "call that does not include the blocked leaves, or use routing.grad."
+            )
 
 
 class _Gate(torch.autograd.Function):
-    """Identity in value. The term is a real input (so the engine keeps its graph and runs
-    this node before any node of it); backward, depending on the pass:
-
-    * the pass reaches no blocked leaf (``torch.autograd.grad`` / ``backward(inputs=...)``
-      without them): the seed goes on into the term's graph, unchanged (exact for every
-      requested tensor, leaf or not, and no extra pass);
-    * otherwise: ``seed * d term / d leaf`` straight to the allowed leaves the pass needs
-      (one re-entrant ``torch.autograd.grad``), and *no* gradient into the term's graph, so
-      a leaf reached only through it gets none at all.
-    """
+    """Identity in value, with the term as a real input. Backward: a pass that reaches no
+    blocked leaf sends the seed on into the term's graph; any other sends ``seed * dterm/dleaf``
+    to the allowed leaves it needs (one re-entrant ``autograd.grad``) and nothing into the graph."""
 
     @staticmethod
     def forward(ctx, plan, term, *leaves):  # type: ignore[override]
-        ctx.plan, ctx.term = plan, term
+        # plan: the term's _Graph, [(allowed leaf, its AccumulateGrad node)], blocked leaves' nodes
+        (ctx.graph, ctx.allowed, ctx.blocked_nodes), ctx.term = plan, term
         ctx.set_materialize_grads(False)
         return term.detach().clone()
 
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
-        plan = ctx.plan
-        nones = (None,) * len(plan.allowed)
+        allowed = ctx.allowed
+        out: list = [None] * len(allowed)
         if grad_out is None:  # nothing flows in (an outer gate cut this path)
-            return (None, None, *nones)
+            return (None, None, *out)
         if torch.is_grad_enabled():
             raise NotImplementedError(
                 "routing.gate is first-order only: under create_graph=True the gated term's "
@@ -527,15 +475,14 @@ class _Gate(torch.autograd.Function):
                 "differentiate a forward pass with the blocked parameters detached, or use "
                 "plain autograd without routes."
             )
-        if not any(_will_execute(n) for n in plan.blocked_nodes):
-            return (None, grad_out, *nones)
-        plan.check_no_intermediate_captured()
-        wanted = [j for j, (_, n) in enumerate(plan.allowed) if _will_execute(n)]
-        out: list = list(nones)
+        if not any(will_engine_execute(n) for n in ctx.blocked_nodes):
+            return (None, grad_out, *out)
+        _check_no_intermediate_captured(ctx.graph)
+        wanted = [j for j, (_, n) in enumerate(allowed) if will_engine_execute(n)]
         if wanted:
             gs = torch.autograd.grad(
                 ctx.term,
-                [plan.allowed[j][0] for j in wanted],
+                [allowed[j][0] for j in wanted],
                 grad_out,
                 retain_graph=True,
                 allow_unused=True,
@@ -602,20 +549,19 @@ def gate(term: torch.Tensor, blocked: BlockEntry | Iterable[BlockEntry] | None) 
     allowed = [(p, n) for p, n in leaves.items() if p not in blocked_set]
     # PyTorch calls a custom Function with zeros where no gradient flows in: that would
     # hand blocked leaves a zero .grad. Such nodes above a blocked leaf send none instead.
-    above_blocked = graph.coreach(blocked_nodes)
-    for node in above_blocked:
+    for node in graph.coreach(blocked_nodes):
         if isinstance(node, torch.autograd.function.BackwardCFunction) and not getattr(
             node, _HOOKED, False
         ):
             node.register_hook(_no_grad_in_no_grad_out)
             setattr(node, _HOOKED, True)
     _skip_none_in_term_hooks(term)
-    plan = _GatePlan(graph, allowed, blocked_nodes)
-    return _Gate.apply(plan, term, *(p for p, _ in allowed))
+    return _Gate.apply((graph, allowed, blocked_nodes), term, *(p for p, _ in allowed))
 
 
 # ----------------------------------------------------------------------------- taps
-class taps:
+@contextmanager
+def taps(entries: Sequence[tuple[torch.Tensor, torch.Tensor | None]]) -> Iterator[list]:
     r"""Add a known tensor to the gradient that reaches each of some tensors, and record it.
 
     Inside the ``with`` block, a backward that reaches tensor :math:`t_i` with gradient
@@ -638,42 +584,34 @@ class taps:
         >>> seen[0].item(), w.grad.item()  # d(h^2)/dh = 2h = 12; (12 + 1) * 3
         (12.0, 39.0)
     """
+    entries = list(entries)
+    seen: list[torch.Tensor | None] = [None] * len(entries)
+    by_tensor: dict[int, list[int]] = {}
+    for i, (t, _) in enumerate(entries):
+        by_tensor.setdefault(id(t), []).append(i)
+    handles = []
+    for idx in by_tensor.values():
+        deltas = [entries[i][1] for i in idx if entries[i][1] is not None]
 
-    def __init__(self, entries: Sequence[tuple[torch.Tensor, torch.Tensor | None]]):
-        self.entries = list(entries)
-        self.seen: list[torch.Tensor | None] = [None] * len(self.entries)
-        self._handles: list = []
+        def hook(g, idx=idx, deltas=deltas):
+            for i in idx:
+                seen[i] = g
+            for d in deltas:
+                g = g + d
+            return g
 
-    def __enter__(self) -> list[torch.Tensor | None]:
-        by_tensor: dict[int, list[int]] = {}
-        for i, (t, _) in enumerate(self.entries):
-            by_tensor.setdefault(id(t), []).append(i)
-        for idx in by_tensor.values():
-            t = self.entries[idx[0]][0]
-            deltas = [self.entries[i][1] for i in idx if self.entries[i][1] is not None]
-
-            def hook(g, idx=idx, deltas=deltas):
-                for i in idx:
-                    self.seen[i] = g
-                for d in deltas:
-                    g = g + d
-                return g
-
-            self._handles.append(t.register_hook(hook))
-        return self.seen
-
-    def __exit__(self, *exc) -> None:
-        for h in self._handles:
+        handles.append(entries[idx[0]][0].register_hook(hook))
+    try:
+        yield seen
+    finally:
+        for h in handles:
             h.remove()
-        self._handles.clear()
 
 
-# ----------------------------------------------------------------------------- graph walks
+# ----------------------------------------------------------------------------- graph queries
 def reached(tensor: torch.Tensor, candidates: Sequence[torch.Tensor]) -> list[int]:
-    """Indices of the ``candidates`` whose autograd node lies on ``tensor``'s graph.
-
-    The search stops at candidate nodes (it does not look below them).
-    """
+    """Indices of the ``candidates`` whose autograd node lies on ``tensor``'s graph (the search
+    does not look below candidate nodes)."""
     if tensor.grad_fn is None or not candidates:
         return []
     targets = {c.grad_fn: i for i, c in enumerate(candidates) if c.grad_fn is not None}
@@ -681,27 +619,12 @@ def reached(tensor: torch.Tensor, candidates: Sequence[torch.Tensor]) -> list[in
 
 
 def reached_nodes(tensors: Sequence[torch.Tensor], targets: dict) -> list[int]:
-    """``targets[node]`` (sorted) of the target autograd nodes the tensors' graphs reach.
-
-    One walk for all ``tensors``; it stops at target nodes (it does not look below them).
-    """
+    """``targets[node]`` (sorted) of the target autograd nodes the tensors' graphs reach, in
+    one walk that does not look below a target."""
     if not targets:
         return []
-    hit: set[int] = set()
-    stack = [t.grad_fn for t in tensors if t.grad_fn is not None]
-    seen = set(stack)
-    while stack:
-        node = stack.pop()
-        i = targets.get(node)
-        if i is not None:
-            hit.add(i)
-            continue
-        for f, _ in node.next_functions:
-            # a leaf's accumulator ends the path and is no target (targets are samples')
-            if f is not None and type(f) is not _ACCUMULATE and f not in seen:
-                seen.add(f)
-                stack.append(f)
-    return sorted(hit)
+    nodes = _walk(_roots(tensors), lambda n: () if n in targets else _next(n))
+    return sorted({targets[n] for n in nodes if n in targets})
 
 
 #: autograd nodes of matrix products (a network layer: its output elements mix its inputs)
@@ -720,26 +643,8 @@ def passes_product(tensors: Sequence[torch.Tensor], stop_nodes=()) -> bool:
         >>> passes_product([w.exp() + 1]), passes_product([torch.ones(4, 2) @ w])
         (False, True)
     """
-    stack = [t.grad_fn for t in tensors if t.grad_fn is not None]
-    seen = set(stack)
-    while stack:
-        node = stack.pop()
-        if type(node).__name__.startswith(_PRODUCTS):
-            return True
-        for f, _ in node.next_functions:
-            if f is not None and f not in seen and f not in stop_nodes:
-                seen.add(f)
-                stack.append(f)
-    return False
-
-
-def _accumulate_type() -> type:
-    """The class of the autograd node that accumulates into a leaf (``next_functions`` of its use)."""
-    leaf = torch.zeros((), requires_grad=True)
-    return type((leaf * 1).grad_fn.next_functions[0][0])
-
-
-_ACCUMULATE = _accumulate_type()
+    nodes = _walk(_roots(tensors), stop=stop_nodes)
+    return any(type(n).__name__.startswith(_PRODUCTS) for n in nodes)
 
 
 def reaches_leaf_directly(
@@ -752,21 +657,9 @@ def reaches_leaf_directly(
     """
     if t.grad_fn is None:
         return t.requires_grad
+    stop_leaves = {id(s) for s in stops if s.grad_fn is None}
     if stop_nodes is None:
-        stop_nodes = {s.grad_fn for s in stops if s.grad_fn is not None}
-        stop_leaves = {id(s) for s in stops if s.grad_fn is None}
-    else:
-        stop_leaves = set()
-    seen, stack = {t.grad_fn}, [t.grad_fn]
-    while stack:
-        node = stack.pop()
-        nexts = node.next_functions
-        if not nexts:  # a leaf's accumulator (or a node without inputs)
-            var = getattr(node, "variable", None)
-            if var is not None and id(var) not in stop_leaves:
-                return True
-        for f, _ in nexts:
-            if f is not None and f not in seen and f not in stop_nodes:
-                seen.add(f)
-                stack.append(f)
-    return False
+        stop_nodes = set(_roots(stops))
+    nodes = _walk([t.grad_fn], stop=stop_nodes)
+    leaves = (getattr(n, "variable", None) for n in nodes if not n.next_functions)
+    return any(v is not None and id(v) not in stop_leaves for v in leaves)

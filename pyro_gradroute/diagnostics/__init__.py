@@ -8,10 +8,8 @@
   ratio of ELBO gradients, one estimator or several side by side.
 
 Fitting several estimators from one initialisation and tabulating them is
-``pyro_gradroute.app.compare.compare_estimators`` (what ``pyro-gradroute compare`` runs),
-built on these.
-
-ArviZ is imported lazily (only the functions that return ArviZ objects need it).
+``pyro_gradroute.app.compare.compare_estimators`` (``pyro-gradroute compare``). ArviZ is
+imported lazily (only the functions that return ArviZ objects need it).
 """
 
 from .gradients import GradientStats, compare_gradients, gradient_stats

@@ -1,13 +1,5 @@
-"""ArviZ, imported lazily; every difference between the 0.23 line and the 1.x line lives here.
-
-ArviZ 0.23 (``arviz`` alone) builds an ``arviz.InferenceData``: ``from_dict(posterior=...,
-log_likelihood=..., ...)``, ``idata.groups()``, ``az.psislw`` and matplotlib plots returning
-axes. ArviZ 1.x (``arviz-base``, ``arviz-stats``, ``arviz-plots``) builds an
-``xarray.DataTree``: ``from_dict({"posterior": ..., ...})``, groups are the tree's children,
-PSIS is the ``.azstats.psislw`` accessor and plots return a ``PlotCollection``. Both hold the
-same groups, variables, dimensions and coordinates, and both take ``az.summary``, ``az.loo``
-and ``az.plot_*`` on the result.
-"""
+"""ArviZ, imported lazily; every difference between the 0.23 line (``InferenceData``) and the
+1.x line (``arviz-base``/``-stats``/``-plots``: an ``xarray.DataTree``) lives here."""
 
 from __future__ import annotations
 
@@ -38,11 +30,8 @@ def from_dict(
     dims: dict,
     attrs: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> Any:
-    """``arviz.from_dict`` on either line: an ``InferenceData`` (0.23) or a ``DataTree`` (1.x).
-
-    ``groups`` maps group name -> {variable: array} (empty groups are dropped; sample groups
-    lead with ``(chain, draw)``); ``attrs`` maps group name -> attributes added to that group.
-    """
+    """``arviz.from_dict`` on either line, from ``{group: {variable: array}}`` (empty groups
+    dropped) and ``{group: attributes}``."""
     az = import_arviz()
     groups = {k: dict(v) for k, v in groups.items() if v}
     if arviz_major() >= 1:

@@ -6,12 +6,10 @@ For :math:`S` draws :math:`z_s \sim q(z)` the importance log-ratio is
 
     \log r_s = \log p(x, z_s) - \log q(z_s).
 
-By default model and guide run once, vectorized over an outer ``pyro.plate`` (as Pyro's
-:func:`pyro.infer.importance.vectorized_importance_weights` does). A model that does not vectorize
-(e.g. ``PyroModule[nn.Linear]`` with ``PyroSample`` priors, whose weight gains a batch
-dimension that ``F.linear`` refuses) is drawn one sample at a time instead, with a progress
-bar: ``vectorize=None`` (the default) tries the vectorized pass and falls back with a warning,
-``vectorize=False`` skips the attempt, ``vectorize=True`` raises, saying so.
+Model and guide run once, vectorized over an outer ``pyro.plate`` (as Pyro's
+:func:`pyro.infer.importance.vectorized_importance_weights` does), or one draw at a time for a
+model that does not vectorize (e.g. ``PyroModule[nn.Linear]`` with ``PyroSample`` priors, whose
+weight gains a batch dimension that ``F.linear`` refuses): see :func:`importance_draws`.
 
 Every subsampled ``pyro.plate`` runs at its full size (:mod:`.full_data`): the log-ratio is
 :math:`\log p(x_{1..N}, z_s) - \log q(z_s)` over all points, not a random minibatch's estimate,
@@ -45,15 +43,6 @@ class VectorizationError(RuntimeError):
     """The model or guide failed when run vectorized over the draws."""
 
 
-class PointwiseUnavailable:
-    """Stands for an observed site whose pointwise log-likelihood does not exist (an enumerated
-    site summed out over several points or sites); :meth:`ImportanceDraws.pointwise_log_prob`
-    raises with its reason."""
-
-    def __init__(self, site: str, reason: str) -> None:
-        self.site, self.reason = site, reason
-
-
 @dataclass
 class ImportanceDraws:
     r"""``S`` guide draws replayed through the model.
@@ -62,7 +51,8 @@ class ImportanceDraws:
     :ivar values: ``{site: (S,) + plain value shape}`` for every latent (and deterministic)
         sample site of the model.
     :ivar log_probs: ``{site: (S,) + plain batch shape}``: unscaled ``log p(value | ...)`` of
-        every observed site (event dimensions summed).
+        every observed site (event dimensions summed), or the reason (a string) where there is
+        none (an enumerated site summed out over several points or sites).
     :ivar base_trace: one plain (unvectorized) trace of the model: shapes, plates, observations.
     :ivar vectorized: whether the draws were made in one vectorized pass.
     :ivar full_plates: ``{plate: (points the model's plate draws, full size)}`` for each
@@ -112,9 +102,9 @@ class ImportanceDraws:
 
         :raises EnumerationError: where that log-likelihood does not factor over points."""
         lp = self.log_probs[name]
-        if isinstance(lp, PointwiseUnavailable):
+        if isinstance(lp, str):
             raise EnumerationError(
-                f"no pointwise log-likelihood for observed site {name!r}: {lp.reason}. "
+                f"no pointwise log-likelihood for observed site {name!r}: {lp}. "
                 "psis_khat and the log-ratios still work; for az.loo, make the enumerated "
                 "site local to one observed site's plate."
             )
@@ -218,61 +208,49 @@ def _log_ratio_and_log_probs(guide_trace, model_trace, particle_plate):
     )
 
 
-def _pointwise(t, num_samples, plain_shape, site):
-    if isinstance(t, str):
-        return PointwiseUnavailable(site, t)
-    return _per_draw(t, num_samples, plain_shape)
-
-
-def _vectorized(model, guide, args, kwargs, num_samples, nesting, base) -> ImportanceDraws:
+def _draws(model, guide, args, kwargs, num_samples, nesting, base) -> ImportanceDraws:
+    """``num_samples`` draws in one vectorized pass, or one draw when ``None``."""
+    n = 1 if num_samples is None else num_samples
     guide_trace, model_trace, made_full = _traces(model, guide, args, kwargs, num_samples,
                                                   nesting)  # fmt: skip
-    log_w, log_q, lps, enumerated = _log_ratio_and_log_probs(guide_trace, model_trace, _DRAWS)
+    plate = None if num_samples is None else _DRAWS
+    log_w, log_q, lps, enumerated = _log_ratio_and_log_probs(guide_trace, model_trace, plate)
     values, log_probs, layout = {}, {}, {}
     for name, site in _sample_sites(model_trace):
         if name not in base.nodes or name in enumerated:
             continue
         plain = base.nodes[name]
         if not _observed(site):
-            values[name] = _per_draw(site["value"], num_samples, plain["value"].shape)
+            values[name] = _per_draw(site["value"], n, plain["value"].shape)
             layout[name] = site["value"].detach()
+        elif isinstance(lps[name], str):  # the reason it has none
+            log_probs[name] = lps[name]
         else:
-            log_probs[name] = _pointwise(lps[name], num_samples, plain["fn"].batch_shape, name)
-    log_w = log_w.detach().expand(num_samples).clone()
-    log_q = log_q.detach().expand(num_samples).clone()
-    return ImportanceDraws(log_w, values, log_probs, base, True, layout, made_full, enumerated,
-                           log_q)  # fmt: skip
+            log_probs[name] = _per_draw(lps[name], n, plain["fn"].batch_shape)
+    log_w, log_q = (t.detach().expand(n).clone() for t in (log_w, log_q))
+    return ImportanceDraws(log_w, values, log_probs, base, num_samples is not None,
+                           layout if num_samples else {}, made_full, enumerated, log_q)  # fmt: skip
 
 
 def _sequential(model, guide, args, kwargs, num_samples, base, progress) -> ImportanceDraws:
     from tqdm.auto import tqdm
 
     nesting = plate_depth(base)
-    log_w, log_q, values, log_probs, made_full, enumerated = [], [], {}, {}, {}, set()
-    for _ in tqdm(range(num_samples), desc="guide draws, one at a time", disable=not progress,
-                  leave=False):  # fmt: skip
-        guide_trace, model_trace, made_full = _traces(model, guide, args, kwargs, None, nesting)
-        lw, lq, lps, enumerated = _log_ratio_and_log_probs(guide_trace, model_trace, None)
-        log_w.append(lw.detach())
-        log_q.append(lq.detach())
-        for name, site in _sample_sites(model_trace):
-            if name not in base.nodes or name in enumerated:
-                continue
-            if not _observed(site):
-                values.setdefault(name, []).append(site["value"].detach())
-            else:
-                lp = lps[name]
-                if not isinstance(lp, str):
-                    shape = base.nodes[name]["fn"].batch_shape
-                    lp = _per_draw(lp, 1, shape)[0]
-                log_probs.setdefault(name, []).append(lp)
-    stack = {k: torch.stack(v) for k, v in values.items()}
-    lp = {
-        k: PointwiseUnavailable(k, v[0]) if isinstance(v[0], str) else torch.stack(v)
-        for k, v in log_probs.items()
-    }
-    return ImportanceDraws(torch.stack(log_w).reshape(num_samples), stack, lp, base, False,
-                           {}, made_full, enumerated, torch.stack(log_q).reshape(num_samples))  # fmt: skip
+    bar = tqdm(range(num_samples), desc="guide draws, one at a time", disable=not progress,
+               leave=False)  # fmt: skip
+    ds = [_draws(model, guide, args, kwargs, None, nesting, base) for _ in bar]
+    last = ds[-1]
+
+    def cat(field: str) -> dict:
+        parts = [getattr(d, field) for d in ds]
+        return {
+            k: v if isinstance(v, str) else torch.cat([p[k] for p in parts])
+            for k, v in parts[-1].items()
+        }
+
+    return ImportanceDraws(torch.cat([d.log_ratios for d in ds]), cat("values"), cat("log_probs"),
+                           base, False, {}, last.full_plates, last.enumerated,
+                           torch.cat([d.log_q for d in ds]))  # fmt: skip
 
 
 @torch.no_grad()
@@ -316,7 +294,7 @@ def importance_draws(
         return _sequential(model, guide, args, kwargs, num_samples, base, progress)
     nesting = plate_depth(base) if max_plate_nesting is None else max_plate_nesting
     try:
-        return _vectorized(model, guide, args, kwargs, num_samples, nesting, base)
+        return _draws(model, guide, args, kwargs, num_samples, nesting, base)
     except (RuntimeError, ValueError, IndexError, TypeError, AssertionError) as e:
         reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         if vectorize:

@@ -126,32 +126,25 @@ def marginal_terms(sites: dict, log_probs: dict, particle_plate: str | None):
             terms.append(scale_and_mask(log_probs[n], s["scale"], s["mask"]))
     pointwise: dict[str, torch.Tensor | str] = {}
     for e, d in enum.items():
-        site_e = sites[e]
-        frames_e = _frames(site_e, particle_plate)
-        total = scale_and_mask(log_probs[e], mask=site_e["mask"])
-        scale = site_e["scale"]
+        frames_e = _frames(sites[e], particle_plate)
+        total = scale_and_mask(log_probs[e], mask=sites[e]["mask"])
         for c in children[e]:
-            site_c = sites[c]
-            frames_c = _frames(site_c, particle_plate)
+            frames_c = _frames(sites[c], particle_plate)
             missing = sorted(set(frames_e) - set(frames_c))
             if missing:
                 raise EnumerationError(
                     f"site {c!r} reads enumerated site {e!r} but is outside its plate(s) "
                     f"{missing}; the diagnostics cannot sum {e!r} out."
                 )
-            if not _same_scale(site_c["scale"], scale):
+            if not _same_scale(sites[c]["scale"], sites[e]["scale"]):
                 raise EnumerationError(
                     f"site {c!r} reads enumerated site {e!r} with a different scale "
                     "(poutine.scale or a subsampled plate); the diagnostics cannot sum it out."
                 )
-            t = scale_and_mask(log_probs[c], mask=site_c["mask"])
-            extra = [dim for name, dim in frames_c.items() if name not in frames_e]
-            extra = [dim for dim in extra if t.dim() >= -dim]
-            if extra:
-                t = t.sum(extra, keepdim=True)
-            total = total + t
-        terms.append(total.logsumexp(d) * scale)
-        for c in children[e]:
+            t = scale_and_mask(log_probs[c], mask=sites[c]["mask"])
+            extra = sorted(set(frames_c) - set(frames_e))
+            dims = [frames_c[name] for name in extra if t.dim() >= -frames_c[name]]
+            total = total + (t.sum(dims, keepdim=True) if dims else t)
             if not sites[c]["is_observed"]:
                 continue
             if len(children[e]) > 1:
@@ -159,12 +152,12 @@ def marginal_terms(sites: dict, log_probs: dict, particle_plate: str | None):
                     f"enumerated site {e!r} is read by several sites {children[e]}, so the "
                     f"pointwise log-likelihood of {c!r} with {e!r} summed out is not one site's"
                 )
-            elif set(_frames(sites[c], particle_plate)) != set(frames_e):
-                extra = sorted(set(_frames(sites[c], particle_plate)) - set(frames_e))
+            elif extra:
                 pointwise[c] = (
                     f"enumerated site {e!r} is outside plate(s) {extra} of {c!r}, so "
                     f"log p({c}_i | z) with {e!r} summed out does not factor over points"
                 )
             else:
                 pointwise[c] = (log_probs[e] + log_probs[c]).logsumexp(d)
+        terms.append(total.logsumexp(d) * sites[e]["scale"])
     return terms, pointwise, set(enum)

@@ -1,16 +1,10 @@
 r"""Run a model with every subsampled ``pyro.plate`` at its full size.
 
-A model fitted on minibatches (``pyro.plate("data", N, subsample_size=b)`` or ``subsample=idx``)
-draws a different random minibatch on every run. The diagnostics need one consistent set of
-points: the pointwise log-likelihood must belong to the ``observed_data`` next to it, and the
-importance log-ratio must be :math:`\log p(x_{1..N}, z) - \log q(z)`, not a rescaled random
-minibatch estimate. Inside :func:`full_plates` every subsampled plate takes the full index
-``torch.arange(N)`` (scale 1), in the model and in the guide.
-
-A model that indexes its data with the plate's indices (``data[ind]``) then sees all ``N`` points.
-A model whose observations are only the minibatch (``obs=batch`` with ``subsample_size=len(batch)``)
-cannot: it fails with the full plate, and :func:`full_data_error` turns that failure into a
-clear error naming the plate.
+The diagnostics need one consistent set of points (the pointwise log-likelihood belongs to the
+``observed_data`` beside it; the log-ratio is :math:`\log p(x_{1..N}, z) - \log q(z)`, not a
+random minibatch's estimate). A model that indexes its data with the plate's indices
+(``data[ind]``) then sees all ``N`` points; one whose observations are only the minibatch fails,
+and :func:`full_data_error` names the plate.
 """
 
 from __future__ import annotations
@@ -31,11 +25,8 @@ def full_plates():
 
     Yields a dict that fills, as plates are entered, with
     ``{plate name: (points the plate would have used, full size)}`` for each plate made full.
-
-    Pyro computes a plate's indices inside ``SubsampleMessenger``'s constructor and checks them
-    against ``subsample_size`` there, so no effect handler can change them; this context swaps
-    that helper (under a lock, restored on exit) for one that drops ``subsample_size`` and
-    ``subsample`` when the plate has a size.
+    (Pyro fixes a plate's indices in ``SubsampleMessenger``'s constructor, where no handler
+    reaches: this swaps that helper, under a lock, for the duration.)
 
     Example::
 

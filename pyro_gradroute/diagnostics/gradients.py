@@ -130,11 +130,8 @@ def _param_names(model, guide, args, kwargs) -> tuple[list[str], list[str]]:
 
 
 def _step_counters(elbo, guide) -> list[STLPolicy]:
-    """The sticking-the-landing policies whose step counts a draw advances (``trace_steps``).
-
-    The estimator's (``TraceSTL_ELBO``, ``TraceAdaptiveSTL_ELBO``), and those of
-    ``stick_the_landing`` handlers wrapping the guide or active around the call.
-    """
+    """The STL policies whose step counts (``trace_steps``) a draw advances: the estimator's,
+    and those of ``stick_the_landing`` handlers wrapping the guide or active around the call."""
     found = {id(v): v for v in vars(elbo).values() if isinstance(v, STLPolicy)}
     for m in (*wrapping_messengers(guide), *handler_stack()):
         if isinstance(m, StickTheLandingMessenger):
@@ -157,8 +154,8 @@ def _copy_value(v):
 
 
 def _own_objects(elbo) -> list:
-    """The estimator's attribute objects of this package (state holders: a control variate's
-    moments and fit, an STL policy), restored in place (other references keep seeing them)."""
+    """The estimator's attributes that are objects of this package (a control variate, a
+    schedule, an STL policy): restored in place, so other references see the restored state."""
     return [
         v
         for v in vars(elbo).values()
@@ -167,14 +164,9 @@ def _own_objects(elbo) -> list:
 
 
 def _snapshot(store, elbo, counters):
-    """The param store (leaves, their values, constraints) and the estimator's state.
-
-    The estimator's state: its ``state_dict``, its attributes' values and those of the
-    objects of this package it holds (the adaptive estimators' moments, cached fit and
-    direct-step schedule), and ``counters``: the step counts of the ``stick_the_landing``
-    policies a draw advances (``trace_steps``), as :func:`_step_counters` found them.
-    """
-    leaves = {n: (p, p.detach().clone()) for n, p in store.named_parameters()}
+    """The param store (leaves, values, ``.grad``, constraints) and the estimator's state: its
+    ``state_dict``, its attributes, those of its objects of this package, and ``counters``."""
+    leaves = {n: (p, p.detach().clone(), p.grad) for n, p in store.named_parameters()}
     state = getattr(elbo, "state_dict", None)
     elbo_state = copy.deepcopy(state()) if callable(state) else None
     attrs = {k: _copy_value(v) for k, v in vars(elbo).items()}
@@ -183,22 +175,17 @@ def _snapshot(store, elbo, counters):
 
 
 def _restore(store, elbo, snapshot) -> None:
-    """Put back what :func:`_snapshot` saw: the same leaf tensors with the same values.
-
-    A parameter created by the draws (a ``TraceGraph_ELBO`` baseline) is removed; one an
-    ELBO replaced (a decaying-average baseline) is put back; values changed in place are
-    restored in place (an optimizer keeps referring to the same leaves). The estimator gets
-    its ``state_dict``, then its attributes' values back (the objects of this package it
-    holds restored in place; attributes a draw created, such as a JIT ELBO's compiled loss,
-    are caches and are kept), and the policies their step counts.
-    """
+    """Put back what :func:`_snapshot` saw, in place (an optimizer keeps referring to the same
+    leaves); parameters the draws created are removed; attributes a draw created (a JIT ELBO's
+    compiled loss) are caches and are kept."""
     leaves, state, elbo_state, (objects, attrs, inner), counters = snapshot
     for name in [n for n in store.keys() if n not in leaves]:
         del store[name]
     store.set_state(state)
     with torch.no_grad():
-        for leaf, value in leaves.values():
+        for leaf, value, grad in leaves.values():
             leaf.copy_(value)
+            leaf.grad = grad
     if elbo_state is not None:
         elbo.load_state_dict(elbo_state)
     in_place = {id(obj) for obj, _ in inner}
@@ -223,20 +210,16 @@ def gradient_stats(
 ) -> GradientStats:
     r"""Mean, variance and SNR of ``elbo``'s gradient estimate at the current parameters.
 
-    Each draw calls ``elbo.loss_and_grads(model, guide, *args, **kwargs)`` -- the code path
-    :class:`pyro.infer.SVI` uses, so block_grad routes and estimator-specific surrogate losses
-    are honoured -- and reads the ``.grad`` of every param-store parameter the model or guide
-    reads. Every draw starts from the same state, so the draws are independent evaluations
-    of the estimator's next step, and that state is left as it was afterwards: the param
-    store (the same leaf tensors with the same values: state an ELBO keeps there, such as
-    ``TraceGraph_ELBO``'s decaying-average baselines, is put back, and parameters the draws
-    created are removed), the estimator's attributes and its ``state_dict`` (the adaptive
-    estimators' moments and direct-step schedule), the step counts of ``trace_steps``
-    (``TraceSTL_ELBO``, ``stick_the_landing`` wrapping the guide or active around the call);
-    every parameter's ``.grad`` is restored to what it was (the same tensor, or ``None``);
-    torch's global random state is restored too (pass
-    ``seed`` for reproducible draws). Parameters that do not exist yet are created, as SVI's
-    first step would. See the module docs for the formulas.
+    Each draw calls ``elbo.loss_and_grads(model, guide, *args, **kwargs)``, the code path
+    :class:`pyro.infer.SVI` uses (block_grad routes and surrogate losses are honoured), and
+    reads the ``.grad`` of every param-store parameter the model or guide reads. Every draw is
+    the estimator's next step from the same state, and that state is left as it was: the param
+    store (the same leaf tensors with the same values; ``TraceGraph_ELBO``'s baselines put back,
+    parameters the draws created removed), the estimator's attributes and ``state_dict`` (the
+    adaptive estimators' moments and schedule), the ``trace_steps`` counts (``TraceSTL_ELBO``,
+    ``stick_the_landing`` wrapping the guide or active around the call), every ``.grad`` (the
+    same tensor, or ``None``) and torch's random state (pass ``seed`` for reproducible draws).
+    Parameters that do not exist yet are created, as SVI's first step would.
 
     :param elbo: any ELBO with ``loss_and_grads`` (Pyro's or this package's).
     :param num_draws: number of independent gradient evaluations (at least 2).
@@ -274,17 +257,11 @@ def gradient_stats(
         counters = [(policy, policy.steps) for policy in _step_counters(elbo, guide)]
         guide_names, model_names = _param_names(model, guide, args, kwargs)
         params = {n: p for n, p in store.named_parameters() if n in guide_names + model_names}
-        saved = {n: p.grad for n, p in store.named_parameters()}
         snapshot = _snapshot(store, elbo, counters)
         count = 0
         mean = {n: torch.zeros_like(p, dtype=torch.float64) for n, p in params.items()}
         m2 = {n: torch.zeros_like(p, dtype=torch.float64) for n, p in params.items()}
         kept: dict[str, list] = {n: [] for n in params}
-
-        def clean_up():
-            _restore(store, elbo, snapshot)
-            for n, p in store.named_parameters():
-                p.grad = saved.get(n)
 
         try:
             for d in range(num_draws):
@@ -303,11 +280,11 @@ def gradient_stats(
                         kept[n].append(g)
         except BaseException:
             try:
-                clean_up()
+                _restore(store, elbo, snapshot)
             except Exception:  # noqa: BLE001 - the draw's error is the one to report
                 pass
             raise
-        clean_up()
+        _restore(store, elbo, snapshot)
     stats = {n: ParamGradStats(mean[n], m2[n] / (count - 1)) for n in params}
     return GradientStats(
         stats,
@@ -359,15 +336,8 @@ def compare_gradients(
     for label, elbo in elbos.items():
         st = gradient_stats(model, guide, elbo, *args, num_draws=num_draws, seed=seed, **kwargs)
         df = st.to_dataframe()
-        for stat in ("mean_abs", "variance", "snr"):
-            col = df[stat].to_dict()
-            if stat == "snr":
-                col.update(
-                    {
-                        "(guide)": st.snr(st.guide_params),
-                        "(model)": st.snr(st.model_params),
-                        "(all)": st.snr(),
-                    }
-                )
-            columns[(stat, label)] = col
+        for stat in ("mean_abs", "variance"):
+            columns[(stat, label)] = df[stat].to_dict()
+        groups = {"(guide)": st.guide_params, "(model)": st.model_params, "(all)": None}
+        columns[("snr", label)] = df["snr"].to_dict() | {k: st.snr(v) for k, v in groups.items()}
     return pd.DataFrame(columns)

@@ -28,32 +28,26 @@ from .inference_data import latent_and_observed
 from .plates import trace_model
 
 
-def _num_observations(trace, observed) -> int:
-    return sum(trace.nodes[k]["fn"].batch_shape.numel() for k in observed)
+def _heldout_log_probs(model, draws, heldout_args, kwargs, observed, base) -> list:
+    """``(S,) + batch shape`` log p(x~ | z_s) of each observed site: one vectorized ``Predictive``
+    pass, or one conditioned run per draw when the draws were made one by one."""
 
+    def log_p(trace, name):
+        site = trace.nodes[name]
+        return site["fn"].log_prob(site["value"]).detach()
 
-def _heldout_log_probs(model, draws, heldout_args, kwargs, observed, base):
-    """``(site, (S,) + batch shape log p(x~ | z_s))`` for every observed site: one vectorized
-    ``Predictive`` pass, or one conditioned run per draw when the draws were made one by one."""
     if draws.vectorized:
         predictive = Predictive(model, posterior_samples=draws.latent_values(),
                                 num_samples=draws.num_samples, parallel=True)  # fmt: skip
         trace = predictive.get_vectorized_trace(*heldout_args, **kwargs)
-        for name in observed:
-            site = trace.nodes[name]
-            log_p = site["fn"].log_prob(site["value"])
-            yield name, draws.per_draw(log_p, base.nodes[name]["fn"].batch_shape)
-        return
+        return [draws.per_draw(log_p(trace, k), base.nodes[k]["fn"].batch_shape) for k in observed]
     latent = draws.latent_values()
-    per_site: dict[str, list] = {name: [] for name in observed}
+    per_draw = []
     for s in range(draws.num_samples):
         conditioned = poutine.condition(model, {k: v[s] for k, v in latent.items()})
         trace = poutine.trace(conditioned).get_trace(*heldout_args, **kwargs)
-        for name in observed:
-            site = trace.nodes[name]
-            per_site[name].append(site["fn"].log_prob(site["value"]).detach())
-    for name in observed:
-        yield name, torch.stack(per_site[name])
+        per_draw.append([log_p(trace, k) for k in observed])
+    return [torch.stack(site) for site in zip(*per_draw)]
 
 
 @torch.no_grad()
@@ -91,7 +85,7 @@ def heldout_log_likelihood(
     kwargs = kwargs or {}
     base = trace_model(model, heldout_args, kwargs)
     _, observed = latent_and_observed(base)
-    n = _num_observations(base, observed)
+    n = sum(base.nodes[k]["fn"].batch_shape.numel() for k in observed)
     if not n:
         raise ValueError("heldout_log_likelihood: the model has no observed sites on held-out data")
     if method == "marginal":
@@ -101,10 +95,9 @@ def heldout_log_likelihood(
     draws = importance_draws(
         model, guide, *train_args, num_samples=num_samples, progress=False, **kwargs
     )
-    pointwise = []
-    for _, log_p in _heldout_log_probs(model, draws, heldout_args, kwargs, observed, base):
-        pointwise.append((log_p.logsumexp(0) - math.log(num_samples)).reshape(-1))
-    values = torch.cat(pointwise).double()
+    log_ps = _heldout_log_probs(model, draws, heldout_args, kwargs, observed, base)
+    values = torch.cat([(lp.logsumexp(0) - math.log(num_samples)).reshape(-1) for lp in log_ps])
+    values = values.double()
     value = float(values.sum()) / n
     if not with_se:
         return value

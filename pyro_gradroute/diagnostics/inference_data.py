@@ -1,52 +1,4 @@
-r"""``from_pyro_svi``: a fitted guide as ArviZ data (``to_inference_data`` is the same function).
-
-The result is an ``xarray.DataTree`` where ArviZ 1.x is installed and an ``arviz.InferenceData``
-under ArviZ 0.23, with the same groups, variables, dimensions and coordinates in both (each
-sample group with ``chain = 1`` and ``draw = num_samples``):
-
-* ``posterior``: the guide's draws :math:`z_s \sim q(z)` of every latent site of the model;
-* ``posterior_predictive``: :math:`\tilde x_s \sim p(x \mid z_s)` for every observed site
-  (the model run with its data sites unconditioned by :class:`pyro.infer.Predictive`);
-* ``log_likelihood``: :math:`\log p(x_i \mid z_s)` per draw and per observation ``i`` (per element
-  of the site's plates; event dimensions summed), so ``az.loo`` works;
-* ``observed_data``: the observed values;
-* ``sample_stats``: ``log_importance_ratio`` :math:`= \log p(x, z_s) - \log q(z_s)` per draw
-  (the input of PSIS, :func:`~pyro_gradroute.diagnostics.psis_khat`). It lives in
-  ``sample_stats`` because, like ArviZ's ``lp``, it is one number per draw that describes the
-  draw rather than a model quantity. Beside it ``lp`` :math:`= \log p(x, z_s)` and ``log_q``
-  :math:`= \log q(z_s)`, the target and proposal log-densities that ArviZ 1.x's
-  ``az.loo_approximate_posterior(data, log_p=..., log_q=...)`` takes to correct PSIS-LOO for
-  draws from the guide rather than the posterior. The group's attribute ``pareto_k`` is the PSIS
-  :math:`\hat k` of the ratios (:func:`~pyro_gradroute.diagnostics.pareto_khat`).
-
-It follows the layout of ArviZ 1.x's ``from_numpyro_svi`` (the converter for NumPyro's SVI),
-except for the sample dimensions: ``(chain, draw)`` with one chain rather than ``sample``, the
-layout both ArviZ lines read by default, so ``az.summary``, ``az.loo`` and the plots need no
-``sample_dims`` argument.
-
-Dimensions inside a ``pyro.plate`` are named after the plate, with coordinates ``0..size-1``;
-others are named ``"{site}_dim_{k}"``. ``pyro.factor`` sites count in the log-ratio but are not
-observations, so they have no log-likelihood entry.
-
-**Subsampled plates** (``pyro.plate(name, N, subsample_size=b)`` or ``subsample=idx``) are
-evaluated at their full size ``N``, in the model, the guide and the predictive
-(:mod:`~pyro_gradroute.diagnostics.full_data`): ``observed_data``, ``log_likelihood`` and
-``posterior_predictive`` cover all ``N`` points, and ``log_importance_ratio`` is the full-data
-ratio, so PSIS and ``az.loo`` see one consistent set. The ``log_likelihood`` and
-``sample_stats`` groups' attribute ``subsampled_plates_evaluated_in_full`` names those plates.
-A model whose observations are only the minibatch (``obs=batch``, not ``data[ind]``) cannot
-reach the other points and raises :class:`~pyro_gradroute.diagnostics.full_data.FullDataError`
-naming the plate.
-
-**Discrete sites enumerated in the model** (``infer={"enumerate": "parallel"}``, not in the
-guide) are summed out (:mod:`~pyro_gradroute.diagnostics.enumerated`): ``log_likelihood`` is
-:math:`\log p(x_i \mid z) = \operatorname{logsumexp}_k [\log p(k_i) + \log p(x_i \mid k_i, z)]`,
-the log-ratio is :math:`\log \sum_k p(x, z, k) - \log q(z)`, the enumerated sites have no
-``posterior`` entry (attribute ``enumerated_sites_summed_out``), and ``posterior_predictive``
-draws them from their prior (new data from the marginal model). Nested enumeration, and a
-pointwise log-likelihood that does not factor over points, raise
-:class:`~pyro_gradroute.diagnostics.enumerated.EnumerationError` naming the site.
-"""
+"""``from_pyro_svi`` (alias ``to_inference_data``): a fitted guide's draws as ArviZ data."""
 
 from __future__ import annotations
 
@@ -123,8 +75,45 @@ def from_pyro_svi(
     progress: bool = True,
     **kwargs,
 ) -> Any:
-    r"""Draw from a fitted ``guide`` and return ArviZ data: a ``DataTree`` on ArviZ 1.x, an
-    ``InferenceData`` on ArviZ 0.23 (see the module docs). ``to_inference_data`` is this function.
+    r"""A fitted ``guide``'s draws as ArviZ data (``to_inference_data`` is this function).
+
+    An ``xarray.DataTree`` on ArviZ 1.x, an ``arviz.InferenceData`` on ArviZ 0.23, with the same
+    groups, variables, dimensions and coordinates; each sample group has ``chain = 1`` and
+    ``draw = num_samples`` (ArviZ 1.x's ``from_numpyro_svi`` layout, with ``(chain, draw)``
+    rather than ``sample``, so ``az.summary``, ``az.loo`` and the plots need no ``sample_dims``):
+
+    * ``posterior``: the guide's draws :math:`z_s \sim q(z)` of every latent site of the model;
+    * ``posterior_predictive``: :math:`\tilde x_s \sim p(x \mid z_s)` for every observed site
+      (the model run with its data sites unconditioned by :class:`pyro.infer.Predictive`);
+    * ``log_likelihood``: :math:`\log p(x_i \mid z_s)` per draw and per element of the site's
+      plates (event dimensions summed), so ``az.loo`` works; ``pyro.factor`` sites count in the
+      log-ratio but have no entry;
+    * ``observed_data``: the observed values;
+    * ``sample_stats``: ``log_importance_ratio`` :math:`= \log p(x, z_s) - \log q(z_s)`, ``lp``
+      :math:`= \log p(x, z_s)` and ``log_q`` :math:`= \log q(z_s)` (what ArviZ 1.x's
+      ``az.loo_approximate_posterior`` takes), with the attribute ``pareto_k``, the PSIS
+      :math:`\hat k` of the ratios (:func:`~pyro_gradroute.diagnostics.pareto_khat`).
+
+    Dimensions inside a ``pyro.plate`` are named after the plate, with coordinates
+    ``0..size-1``; others are named ``"{site}_dim_{k}"``.
+
+    **Subsampled plates** are evaluated at their full size ``N`` in the model, the guide and the
+    predictive (:mod:`~pyro_gradroute.diagnostics.full_data`): ``observed_data``,
+    ``log_likelihood``, ``posterior_predictive`` and the ratios cover all ``N`` points (groups'
+    attribute ``subsampled_plates_evaluated_in_full``). A model whose observations are only the
+    minibatch (``obs=batch``, not ``data[ind]``) raises
+    :class:`~pyro_gradroute.diagnostics.full_data.FullDataError` naming the plate.
+
+    **Discrete sites enumerated in the model** are summed out
+    (:mod:`~pyro_gradroute.diagnostics.enumerated`, which lists what raises
+    ``EnumerationError``): ``log_likelihood`` is :math:`\operatorname{logsumexp}_k [\log p(k_i)
+    + \log p(x_i \mid k_i, z)]`, the log-ratio :math:`\log \sum_k p(x, z, k) - \log q(z)`; they
+    have no ``posterior`` entry (attribute ``enumerated_sites_summed_out``), and
+    ``posterior_predictive`` draws them from their prior.
+
+    The draws are independent (one ``chain`` of :math:`S` i.i.d. guide draws), not a Markov
+    chain: summarize them with ``az.summary(idata, kind="stats")``; the MCMC columns (ESS, MCSE,
+    ``r_hat``) that plain ``az.summary`` adds do not apply to them.
 
     :param model: the Pyro model the guide was fitted to.
     :param guide: the guide (any callable with the model's latent sites, e.g. an AutoGuide).
@@ -137,21 +126,10 @@ def from_pyro_svi(
     :param dims: dimension names per variable that replace the derived ones,
         e.g. ``{"w": ["feature"]}``: one name per dimension of the site's value (batch then
         event dimensions), else a ``ValueError`` naming the entry.
-    :param vectorize: ``None`` (default): draw in one vectorized pass, falling back to one
-        draw at a time (with a warning) for a model that does not vectorize; ``False``: one at
-        a time; ``True``: vectorized or an error (see
-        :func:`~pyro_gradroute.diagnostics.draws.importance_draws`).
+    :param vectorize: as in :func:`~pyro_gradroute.diagnostics.draws.importance_draws`: by
+        default one vectorized pass, falling back to one draw at a time with a warning.
     :param progress: show a progress bar when drawing one at a time.
     :param kwargs: the model's keyword arguments.
-
-    Either way the result follows ArviZ's conventions: ``chain`` and ``draw`` dimensions, plate
-    dimensions named after their plates, with coordinates.
-
-    The draws are independent (one ``chain`` of :math:`S` i.i.d. guide draws), not a Markov
-    chain: summarize them with ``az.summary(idata, kind="stats")`` (mean, sd and an interval:
-    the HDI on ArviZ 0.23, the ETI on 1.x). Plain ``az.summary`` adds the MCMC columns (ESS,
-    MCSE, ``r_hat``: NaN with one chain; ArviZ 0.23 also logs a one-chain shape warning); they do
-    not apply to guide draws.
 
     Example::
 

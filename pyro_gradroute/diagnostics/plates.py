@@ -1,9 +1,6 @@
-"""Dimension names and coordinates of a model's sites, read from its plates.
-
-A site's batch dimensions that belong to a vectorized ``pyro.plate`` are named after the plate
-(its coordinate is ``range(size)``); any other dimension of a site ``"w"`` is named ``"w_dim_k"``
-(ArviZ's own default naming).
-"""
+"""Dimension names and coordinates of a model's sites, read from its plates: a plate's
+dimension is named after it (coordinates ``range(size)``), any other of site ``"w"`` is
+``"w_dim_k"`` (ArviZ's own default naming)."""
 
 from __future__ import annotations
 

@@ -116,11 +116,9 @@ def psis_khat(
     r"""Pareto :math:`\hat k` of ``guide`` as an importance proposal for ``model``'s posterior.
 
     Draws :math:`z_s \sim q`, :math:`s = 1..S`, computes :math:`\log p(x, z_s) - \log q(z_s)`
-    (:func:`~pyro_gradroute.diagnostics.draws.importance_draws`: vectorized, or one draw at a
-    time for a model that does not vectorize; ``vectorize`` and ``progress`` as there) and
-    fits the tail with :func:`pareto_khat`. Subsampled plates are evaluated on all their
-    points, and discrete sites enumerated in the model are summed out (see
-    :func:`~pyro_gradroute.diagnostics.to_inference_data`).
+    with :func:`~pyro_gradroute.diagnostics.draws.importance_draws` (``vectorize`` and
+    ``progress`` as there; subsampled plates at full size, enumerated sites summed out) and
+    fits the tail with :func:`pareto_khat`.
 
     :returns: a float-like :class:`PSISResult` with ``.khat`` and ``.reading``.
 

@@ -21,19 +21,17 @@ minibatch of size :math:`Rb`, scaled by :math:`N / (Rb)`). Three pieces:
 * :class:`ShardedPlate` gives each rank its minibatch indices (through
   :class:`torch.utils.data.DistributedSampler`) and the correctly scaled plate.
 
-Only ``.grad`` is touched, so every ELBO works: Pyro's, and this package's (including
-routed ``block_grad`` backward passes and ``TraceDReG_ELBO``).
-
-This module is for ``SVI`` with :mod:`pyro.optim` and the param store. A training loop over
-an ``ELBOModule`` (``loss_fn = TraceSTL_ELBO()(model, guide)``) with a ``torch.optim``
-optimizer, or PyTorch Lightning, uses ``torch.nn.parallel.DistributedDataParallel(loss_fn)``
-(Lightning: ``strategy="ddp"``) instead; every estimator of :mod:`pyro_gradroute.infer` works
-under it (``examples/lightning_svi.py``).
+Only ``.grad`` is touched, so every ELBO works, Pyro's and this package's. This is for ``SVI``
+with :mod:`pyro.optim` and the param store; an ``ELBOModule`` with a ``torch.optim`` optimizer,
+or PyTorch Lightning, uses ``DistributedDataParallel(loss_fn)`` instead (the Scale-out page).
 """
 
-from .gradients import ParameterMismatchError, average_gradients
-from .optim import DistributedOptimizer
-from .params import broadcast_param_store
+from .gradients import (
+    DistributedOptimizer,
+    ParameterMismatchError,
+    average_gradients,
+    broadcast_param_store,
+)
 from .setup import DEFAULT_BUCKET_CAP_MB, init_distributed
 from .sharding import ShardedPlate
 

@@ -1,11 +1,13 @@
-"""Gradient averaging across ranks: :func:`average_gradients` (bucketed ``all_reduce``),
-with a check that every rank holds the same parameters."""
+"""Bucketed collectives on the param store's tensors, with a check that every rank holds the
+same parameters: :func:`average_gradients`, :func:`broadcast_param_store`, and
+:class:`DistributedOptimizer`, a Pyro optimizer that averages the gradients before stepping."""
 
 from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pyro
@@ -40,8 +42,7 @@ def _param_names(params: Iterable[torch.Tensor]) -> list[tuple[str, torch.Tensor
             raise ValueError(
                 "DistributedOptimizer / average_gradients got a tensor that is not in Pyro's "
                 f"param store (shape {tuple(p.shape)}). Only param-store parameters can be "
-                "matched across ranks: create it with pyro.param or pyro.module, or pass "
-                "names explicitly with average_gradients(named_params=...)."
+                "matched across ranks: create it with pyro.param or pyro.module."
             )
         named.append((name, p))
     return sorted(named, key=lambda item: item[0])
@@ -55,16 +56,12 @@ def _signature(named: list[tuple[str, torch.Tensor]]) -> int:
     return int.from_bytes(h.digest(), "little") >> 2
 
 
-def _collective_device(group) -> torch.device:
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def _check_same_params(named: list[tuple[str, torch.Tensor]], group, what: str) -> None:
     """Raise on every rank, with the differing names, unless all ranks hold the same params."""
     sig = _signature(named)
-    t = torch.tensor([sig, -sig], dtype=torch.int64, device=_collective_device(group))
+    nccl = dist.get_backend(group) == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    t = torch.tensor([sig, -sig], dtype=torch.int64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     if int(t[0]) == -int(t[1]):
         return
@@ -87,12 +84,11 @@ def _check_same_params(named: list[tuple[str, torch.Tensor]], group, what: str) 
 
 
 def _buckets(
-    named: list[tuple[str, torch.Tensor]], cap_bytes: int
+    named: list[tuple[str, torch.Tensor]], cap_mb: float
 ) -> list[list[tuple[str, torch.Tensor]]]:
-    """Groups of at most ``cap_bytes`` (at least one param each) of one dtype and device.
-
-    Params are grouped by (dtype, device), then kept in name order: the same on all ranks.
-    """
+    """Groups of at most ``cap_mb`` megabytes (at least one param each) of one dtype and device,
+    in name order within a (dtype, device): the same on all ranks."""
+    cap_bytes = max(1, int(cap_mb * 2**20))
     ordered = sorted(named, key=lambda item: (str(item[1].dtype), str(item[1].device)))
     buckets: list[list[tuple[str, torch.Tensor]]] = []
     size, key = 0, None
@@ -105,6 +101,34 @@ def _buckets(
         buckets[-1].append((name, p))
         size += nbytes
     return buckets
+
+
+def _views(buckets: list, flats: list) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """``(param, its slice of its bucket's flat tensor)``, bucket by bucket."""
+    for bucket, flat in zip(buckets, flats):
+        offset = 0
+        for _, p in bucket:
+            yield p, flat[offset : offset + p.numel()].view_as(p)
+            offset += p.numel()
+
+
+@contextmanager
+def _collective_errors(what: str):
+    """A collective's ``RuntimeError`` (not a :class:`ParameterMismatchError`) re-raised saying
+    that another rank probably failed first."""
+    try:
+        yield
+    except ParameterMismatchError:
+        raise
+    except RuntimeError as e:
+        if not dist.is_initialized():
+            raise
+        raise RuntimeError(
+            f"{what} failed on rank {dist.get_rank()}: a collective did not complete "
+            f"({type(e).__name__}: {e}). Usually another rank raised or was killed first (look "
+            "for its traceback) or the process group timed out; pass "
+            "init_process_group(..., timeout=datetime.timedelta(seconds=...)) to fail faster."
+        ) from e
 
 
 def average_gradients(
@@ -121,21 +145,19 @@ def average_gradients(
         \text{grad}_p \leftarrow \frac{1}{R} \sum_{r=1}^{R} \text{grad}_{p,r},
         \qquad \text{grad}_{p,r} := 0 \text{ where rank } r \text{ has no gradient}
 
-    A parameter whose gradient is ``None`` on *every* rank keeps ``None`` (so the
-    optimizer skips it, as in one process). The gradients are flattened, grouped by
-    dtype and device and in param-store-name order within a group, into buckets of at most ``bucket_cap_mb`` megabytes and
-    each bucket is summed with one asynchronous ``all_reduce``; one small extra
-    collective checks that all ranks hold the same parameters (a
-    :class:`ParameterMismatchError` naming the differing ones otherwise). With one rank
-    nothing is communicated.
+    A parameter whose gradient is ``None`` on *every* rank keeps ``None`` (so the optimizer
+    skips it, as in one process). One asynchronous ``all_reduce`` per bucket of at most
+    ``bucket_cap_mb`` megabytes (by dtype and device, in param-store-name order), and one small
+    collective that checks all ranks hold the same parameters (a
+    :class:`ParameterMismatchError` naming the differing ones otherwise). With one rank nothing
+    is communicated.
 
     :param params: param-store parameters (unconstrained tensors, as SVI passes them).
     :param group: process group (default: the world).
     :param bucket_cap_mb: bucket size in megabytes.
-    :param check_params: run the parameter check. ``False`` saves that collective (for
-        small models, where latency dominates, up to half the communication time) once
-        the parameters are known to agree; ranks whose parameters then differ fail in
-        the ``all_reduce`` or at the process group's timeout, without the diagnosis.
+    :param check_params: run the parameter check. ``False`` saves that collective once the
+        parameters are known to agree; ranks whose parameters then differ fail in the
+        ``all_reduce`` or at the process group's timeout, without the diagnosis.
     :returns: seconds spent in collectives (for profiling).
 
     Example (one process; a real run has several ranks)::
@@ -164,7 +186,7 @@ def average_gradients(
     start = time.perf_counter()
     if check_params:
         _check_same_params(named, group, "average_gradients")
-    buckets = _buckets(named, max(1, int(bucket_cap_mb * 2**20)))
+    buckets = _buckets(named, bucket_cap_mb)
     flats, works = [], []
     for i, bucket in enumerate(buckets):
         dtype, device = bucket[0][1].dtype, bucket[0][1].device
@@ -182,26 +204,154 @@ def average_gradients(
         work.wait()
     elapsed = time.perf_counter() - start
     present = flats[0][-len(named) :].tolist() if named else []
-    index = 0
-    for bucket, flat in zip(buckets, flats):
-        offset = 0
-        for _, p in bucket:
-            n = p.numel()
-            if present[index] > 0:
-                avg = flat[offset : offset + n].view_as(p).div_(world)
-                if p.grad is None:
-                    p.grad = avg.clone()
-                else:
-                    p.grad.copy_(avg)
-            offset += n
-            index += 1
+    for (p, total), there in zip(_views(buckets, flats), present):
+        if there > 0:
+            avg = total.div_(world)
+            if p.grad is None:
+                p.grad = avg.clone()
+            else:
+                p.grad.copy_(avg)
     return elapsed
 
 
-def _wrap_collective_error(what: str, e: Exception) -> RuntimeError:
-    return RuntimeError(
-        f"{what} failed on rank {dist.get_rank()}: a collective did not complete "
-        f"({type(e).__name__}: {e}). Usually another rank raised or was killed first (look "
-        "for its traceback) or the process group timed out; pass "
-        "init_process_group(..., timeout=datetime.timedelta(seconds=...)) to fail faster."
-    )
+def broadcast_param_store(
+    src: int = 0, *, group=None, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB
+) -> None:
+    r"""Copy every parameter of Pyro's param store from rank ``src`` to all ranks, in place.
+
+    .. math::
+
+        \theta^{(r)} \leftarrow \theta^{(\text{src})} \quad \text{for every rank } r
+
+    (on the unconstrained tensors, so constraints are preserved). Call it on every rank after
+    the first trace created the parameters (``svi.evaluate_loss(batch)`` does, without a step)
+    and before the first step; with :class:`DistributedOptimizer` they then stay identical.
+    The ranks must hold the same parameter names, shapes and dtypes (a
+    :class:`ParameterMismatchError` lists the differences). Optimizer state is not broadcast:
+    call it before the first step has built state, or load the same state on every rank.
+
+    Example (one process; a real run has several ranks)::
+
+        >>> import torch, pyro, torch.distributed as dist
+        >>> from pyro_gradroute.distributed import broadcast_param_store, init_distributed
+        >>> device = init_distributed()
+        >>> w = pyro.param("w", torch.randn(3))
+        >>> broadcast_param_store(src=0)
+        >>> dist.destroy_process_group()
+    """
+    _require_initialized("broadcast_param_store")
+    store = pyro.get_param_store()
+    named = sorted(store.named_parameters(), key=lambda item: item[0])
+    if dist.get_world_size(group) == 1:
+        return
+    with _collective_errors("broadcast_param_store"), torch.no_grad():
+        _check_same_params(named, group, "broadcast_param_store")
+        buckets = _buckets(named, bucket_cap_mb)
+        flats = [torch.cat([p.detach().reshape(-1) for _, p in b]) for b in buckets]
+        works = [dist.broadcast(f, src=src, group=group, async_op=True) for f in flats]
+        for work in works:
+            work.wait()
+        for p, value in _views(buckets, flats):
+            p.copy_(value)
+
+
+class DistributedOptimizer(pyro.optim.PyroOptim):
+    r"""Average gradients across ``torch.distributed`` ranks, then step a Pyro optimizer.
+
+    The counterpart of :class:`pyro.optim.HorovodOptimizer` on ``torch.distributed``.
+    Each call (SVI makes one per step, with the parameters the trace touched) replaces every
+    gradient by the rank average :math:`\bar g = \frac1R \sum_r g_r` (:func:`average_gradients`,
+    in param-store-name order on every rank; ``None`` counts as zero unless it is ``None`` on
+    every rank; a clear error if the ranks' parameters differ), then calls the wrapped
+    optimizer, whose gradient clipping therefore acts on :math:`\bar g`, identically on every rank.
+
+    Starting from identical parameters (:func:`broadcast_param_store`), the ranks stay
+    identical. Only ``.grad`` is read and written, so any ELBO works. The wrapped
+    optimizer keeps its own state: :meth:`get_state`, :meth:`set_state`, :meth:`save`,
+    :meth:`load`, and e.g. ``step()`` of a :class:`pyro.optim.PyroLRScheduler`, are
+    passed through.
+
+    :param pyro_optim: any :class:`pyro.optim.PyroOptim` (``Adam``, ``ClippedAdam``,
+        a ``PyroLRScheduler``, ...).
+    :param group: process group (default: the world).
+    :param bucket_cap_mb: size of the ``all_reduce`` buckets in megabytes.
+    :param check_params: check every step that the ranks' parameters agree (one small
+        extra collective; see :func:`average_gradients`).
+
+    Attributes ``comm_seconds`` (time spent in collectives) and ``num_steps`` accumulate
+    over calls, for profiling.
+
+    Example (one process here; under ``torchrun`` every rank runs the same code)::
+
+        >>> import torch, pyro, pyro.distributions as dist, torch.distributed as tdist
+        >>> from pyro.infer import SVI
+        >>> from pyro.infer.autoguide import AutoNormal
+        >>> from pyro_gradroute.infer import TraceSTL_ELBO
+        >>> from pyro_gradroute.distributed import (
+        ...     DistributedOptimizer, broadcast_param_store, init_distributed)
+        >>> device = init_distributed()
+        >>> def model(x):
+        ...     mu = pyro.sample("mu", dist.Normal(0.0, 1.0))
+        ...     with pyro.plate("data", len(x)):
+        ...         pyro.sample("x", dist.Normal(mu, 1.0), obs=x)
+        >>> pyro.clear_param_store()
+        >>> guide = AutoNormal(model)
+        >>> optim = DistributedOptimizer(pyro.optim.Adam({"lr": 0.01}))
+        >>> svi = SVI(model, guide, optim, TraceSTL_ELBO())
+        >>> x = torch.randn(10)
+        >>> loss = svi.evaluate_loss(x)  # creates the params, no step ...
+        >>> broadcast_param_store(src=0)  # ... then make all ranks identical
+        >>> loss = svi.step(x)
+        >>> tdist.destroy_process_group()
+    """
+
+    def __init__(
+        self,
+        pyro_optim: pyro.optim.PyroOptim,
+        *,
+        group=None,
+        bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+        check_params: bool = True,
+    ):
+        if not isinstance(pyro_optim, pyro.optim.PyroOptim):
+            raise TypeError(
+                f"DistributedOptimizer wraps a pyro.optim optimizer (e.g. pyro.optim.Adam"
+                f"({{'lr': 1e-3}})), got {type(pyro_optim).__name__}. For a torch.optim "
+                "optimizer, call average_gradients(params) before its step()."
+            )
+        if isinstance(pyro_optim, DistributedOptimizer):
+            raise TypeError("DistributedOptimizer is already distributed; do not wrap it twice.")
+        # No PyroOptim.__init__: the wrapped optimizer holds all optimizer state.
+        self.optim = pyro_optim
+        self.group = group
+        self.bucket_cap_mb = bucket_cap_mb
+        self.check_params = check_params
+        self.comm_seconds = 0.0
+        self.num_steps = 0
+
+    def __call__(self, params, *args, **kwargs) -> None:
+        params = [p for _, p in _param_names(params)]
+        with _collective_errors("DistributedOptimizer (gradient all_reduce)"):
+            self.comm_seconds += average_gradients(
+                params,
+                group=self.group,
+                bucket_cap_mb=self.bucket_cap_mb,
+                check_params=self.check_params,
+            )
+        self.num_steps += 1
+        self.optim(params, *args, **kwargs)
+
+    def get_state(self) -> dict:
+        """The wrapped optimizer's state (identical on every rank)."""
+        return self.optim.get_state()
+
+    def set_state(self, state_dict: dict) -> None:
+        """Set the wrapped optimizer's state (load the same state on every rank)."""
+        self.optim.set_state(state_dict)
+
+    def __getattr__(self, name: str):
+        # Only called for attributes not found normally: pass through to the wrapped optimizer
+        # (optim_objs, pt_optim_args, step() of schedulers, ...).
+        if name == "optim":
+            raise AttributeError(name)
+        return getattr(self.optim, name)

@@ -7,7 +7,6 @@ import math
 from collections.abc import Iterator
 
 import pyro
-import pyro.optim
 import torch
 import torch.distributed as dist
 

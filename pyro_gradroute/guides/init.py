@@ -36,7 +36,7 @@ from collections.abc import Callable
 import torch
 from torch.distributions import constraints
 
-from .support import split_event, support_key
+from .support import base_constraint, support_key
 
 __all__ = ["register_moment_init", "moment_init", "has_moment_init", "support_spread"]
 
@@ -207,7 +207,7 @@ def support_spread(
         tensor(0.4000)
     """
     key = support_key(support)
-    base, _ = split_event(support)
+    base = base_constraint(support)
     if key[0] == "lower":
         return init_scale * (value - base.lower_bound).abs()
     if key[0] == "upper":

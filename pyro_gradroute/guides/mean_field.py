@@ -46,7 +46,7 @@ class _Factor:
     def quantiles(self, q: torch.Tensor, num_samples: int, seed: int) -> torch.Tensor:
         """Quantiles ``q`` (1-D) of every element: exact (``icdf``) where possible, else Monte Carlo."""
         base = self.params.distribution()
-        q = q.to(device=_device_of(base, q))  # the factor's device (e.g. CUDA), not the CPU
+        q = q.to(device=next(self.params.parameters(), q).device)  # the factor's (e.g. CUDA)
         try:
             values = base.icdf(q.reshape((-1,) + (1,) * len(base.batch_shape)))
             if self.transform is not None:
@@ -324,8 +324,7 @@ class AutoMeanField(AutoGuide):
 
         :return: site name -> sampled value.
         """
-        if self.prototype_trace is None:
-            self._setup_prototype(*args, **kwargs)
+        self._ensure_setup(args, kwargs)
         plates = self._create_plates(*args, **kwargs)
         result = {}
         for name, site in self.prototype_trace.iter_stochastic_nodes():
@@ -367,11 +366,3 @@ class AutoMeanField(AutoGuide):
     def median(self, *args, **kwargs) -> dict[str, torch.Tensor]:
         """Site name -> the marginal medians (see :meth:`quantiles`)."""
         return {name: q[0] for name, q in self.quantiles([0.5], *args, **kwargs).items()}
-
-
-def _device_of(d: Distribution, default: torch.Tensor) -> torch.device:
-    """The device of a distribution's parameters (``default``'s when it has no tensor)."""
-    for v in vars(d).values():
-        if torch.is_tensor(v):
-            return v.device
-    return default.device

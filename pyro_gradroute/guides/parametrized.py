@@ -1,17 +1,8 @@
 """A distribution family whose arguments are constrained module parameters (in Pyro's param store).
 
-:class:`ParametrizedDistribution` is a :class:`~pyro.nn.PyroModule`: each learned argument is a
-:class:`~pyro.nn.PyroParam` attribute, as in :class:`~pyro.infer.autoguide.AutoNormal`, so
-``module.parameters()``, ``state_dict()``, ``torch.save`` and
-``pyro.settings.set(module_local_params=True)`` work. Under the default global param store the
-param store holds each constrained parameter ``theta`` as an unconstrained
-leaf ``u`` with ``theta = T(u)``, ``T = transform_to(constraint)`` (``exp`` for
-``positive``, ``sigmoid`` for ``unit_interval``, stick-breaking for ``simplex``,
-...). :class:`ParametrizedDistribution` reads every value through ``pyro.param``
-at every call, so ``T(u)`` is recomputed and the autograd graph rebuilt each
-time: the gradient always reaches ``u``. (Computing ``std = exp(log_std)`` once,
-outside a training loop, freezes ``std`` at its first value and frees its graph
-after the first ``backward``.)
+Every call reads the values through ``pyro.param``, so ``theta = T(u)`` is recomputed and the
+gradient always reaches the unconstrained leaf ``u`` (computing ``std = exp(log_std)`` once,
+outside a training loop, would freeze ``std`` and free its graph after the first ``backward``).
 """
 
 from __future__ import annotations
@@ -73,8 +64,10 @@ class ParametrizedDistribution(PyroModule):
             a = \text{value for fixed } a\big),
         \qquad T_C = \texttt{transform\_to}(C),
 
-    so gradients of anything computed from ``q`` reach :math:`u_a` at every step.
-    Swapping ``dist.Normal`` for ``dist.Gamma`` or ``dist.LogNormal`` changes one line.
+    so gradients of anything computed from ``q`` reach :math:`u_a` at every step. As a
+    :class:`~pyro.nn.PyroModule` it works with ``parameters()``, ``state_dict()``, ``torch.save``
+    and ``pyro.settings.set(module_local_params=True)``. Swapping ``dist.Normal`` for
+    ``dist.Gamma`` or ``dist.LogNormal`` changes one line.
 
     Which arguments are learned:
 
@@ -192,7 +185,7 @@ class ParametrizedDistribution(PyroModule):
             self.constraints[arg] = constraint
             self.init[arg] = value
         try:
-            built = self._build({**self.fixed, **self.init})
+            built = self.family(**self.fixed, **self.init)
         except (ValueError, TypeError, RuntimeError) as e:
             hint = f"; pass exactly one of {alternatives}" if alternatives and not chosen else ""
             raise ValueError(
@@ -242,10 +235,6 @@ class ParametrizedDistribution(PyroModule):
         fixed = ", ".join(self.fixed) or "nothing"
         return f"learned [{learned}], fixed [{fixed}]"
 
-    def param_name(self, arg: str) -> str:
-        """The param-store name of argument ``arg``: ``f"{name}.{arg}"``."""
-        return f"{self.name}.{arg}"
-
     def params(self) -> dict[str, torch.Tensor]:
         """Current constrained values of the learned arguments (``pyro.param`` statements).
 
@@ -267,12 +256,9 @@ class ParametrizedDistribution(PyroModule):
         self.params()  # take the param store's leaves, if it has newer ones
         return super().parameters(recurse)
 
-    def _build(self, values: Mapping[str, Any]) -> Distribution:
-        return self.family(**values)
-
     def distribution(self) -> Distribution:
         """``family(**current values)`` without the ``event_dim`` reinterpretation."""
-        return self._build({**self.fixed, **self.params()})
+        return self.family(**self.fixed, **self.params())
 
     def forward(self) -> Distribution:
         """A fresh ``family(...)`` built from the current parameter values."""

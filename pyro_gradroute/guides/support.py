@@ -1,10 +1,7 @@
 """Comparing supports: does a family live on a site's support, or on the reals?
 
-Constraints have no ``__eq__``; :func:`support_key` reduces one to a canonical,
-hashable key so that ``constraints.positive`` (``GreaterThan(0)``, LogNormal's
-support) and ``constraints.nonnegative`` (``GreaterThanEq(0)``, Gamma's) compare
-equal: they differ on a set of measure zero, which no continuous density sees.
-Likewise ``unit_interval`` and ``half_open_interval(0, 1)``.
+Constraints have no ``__eq__``: :func:`support_key` reduces one to a hashable key, equal for
+supports that differ on a set of measure zero (``positive`` and ``nonnegative``).
 """
 
 from __future__ import annotations
@@ -15,16 +12,14 @@ import torch
 from torch.distributions import constraints
 from torch.distributions.constraints import Constraint
 
-__all__ = ["split_event", "support_key", "is_real", "match_support", "family_support"]
+__all__ = ["base_constraint", "support_key", "match_support", "family_support"]
 
 
-def split_event(c: Constraint) -> tuple[Constraint, int]:
-    """``(base constraint, reinterpreted event dims)`` of a possibly ``independent`` constraint."""
-    n = 0
+def base_constraint(c: Constraint) -> Constraint:
+    """The base constraint of a possibly ``independent`` constraint."""
     while isinstance(c, constraints.independent):
-        n += c.reinterpreted_batch_ndims
         c = c.base_constraint
-    return c, n
+    return c
 
 
 def _bound(b) -> object:
@@ -46,7 +41,7 @@ def support_key(c: Constraint) -> tuple:
         >>> support_key(constraints.unit_interval)
         ('interval', 0.0, 1.0)
     """
-    c, _ = split_event(c)
+    c = base_constraint(c)
     if isinstance(c, (constraints.greater_than, constraints.greater_than_eq)):
         return ("lower", _bound(c.lower_bound))
     if isinstance(c, constraints.less_than):
@@ -57,11 +52,6 @@ def support_key(c: Constraint) -> tuple:
         return ("real",)
     attrs = {k: v for k, v in vars(c).items() if not k.startswith("_")}
     return (type(c).__qualname__, repr(sorted(attrs.items())))
-
-
-def is_real(c: Constraint) -> bool:
-    """Whether ``c`` is ``real`` or ``independent(real, n)`` (e.g. ``real_vector``)."""
-    return support_key(c) == ("real",)
 
 
 def family_support(family: type) -> Constraint:
@@ -95,7 +85,7 @@ def match_support(
     fam = family_support(family)
     if support_key(site_support) == support_key(fam):
         return "direct"
-    if is_real(fam):
+    if support_key(fam) == ("real",):  # real or independent(real, n)
         return "pushforward"
     raise ValueError(
         f"support mismatch at site '{site}': its support is {site_support!r} but {family.__name__} lives on "

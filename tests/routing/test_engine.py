@@ -207,7 +207,7 @@ def test_nan_term_warns(seed_net):
 
 
 def _chosen_plan(terms, block) -> str:
-    terms = routing._differentiable(terms)
+    terms = routing._terms(terms, block, strict=True)
     groups, graph, _ = routing._groups(terms, routing._resolve_block(terms, block))
     plan = routing._plan(groups, graph)
     return "by_terms" if any(inputs is None for _, inputs in plan) else "by_params"
