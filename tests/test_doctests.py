@@ -30,7 +30,6 @@ NO_EXAMPLES = {
     "pyro_gradroute.guides",
     "pyro_gradroute.infer",
     "pyro_gradroute.infer.elbo",
-    "pyro_gradroute.poutine.stl_policy",  # a re-export of the handler module's policy
     "pyro_gradroute.poutine.pathwise",  # internal: the rule per guide site
     "pyro_gradroute.app",
     "pyro_gradroute.app.plots",
