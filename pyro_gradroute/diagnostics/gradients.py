@@ -30,8 +30,7 @@ import torch
 
 from .._compat import handler_stack, wrapping_messengers
 from .._validation import check_elbo, check_int, check_mapping
-from ..poutine.stick_the_landing_messenger import StickTheLandingMessenger
-from ..poutine.stick_the_landing_messenger import STLPolicy
+from ..poutine.stick_the_landing_messenger import StickTheLandingMessenger, STLPolicy
 
 
 @dataclass
