@@ -92,54 +92,23 @@ class TraceSTL_ELBO(Trace_ELBO):
         \hat\nabla_\phi = \nabla_\phi\big[\log p(x, g(\epsilon;\phi))
             - \log q(g(\epsilon;\phi); \bot(\phi))\big]
 
-    Same expectation (unbiased), and the estimator is exactly zero when
-    :math:`q` equals the posterior (then :math:`\log p(x,z) - \log q(z)` is constant in
-    :math:`z`). Far from the posterior its variance can exceed ``Trace_ELBO``'s
-    (see the README's Performance section for where the crossover lies).
+    Same expectation (unbiased), and exactly zero when :math:`q` equals the posterior (then
+    :math:`\log p(x,z) - \log q(z)` is constant in :math:`z`). For a conditional guide
+    :math:`q(z_1) q(z_2 \mid z_1)` the score part holds *both* samples fixed, so
+    :math:`\log q(z_2 \mid z_1; \bot(\phi))` keeps its path through :math:`z_1`.
 
-    For a conditional guide :math:`q(z_1) q(z_2 \mid z_1)` the score part of the joint
-    density holds *both* samples fixed, so :math:`\log q(z_2 \mid z_1; \bot(\phi))` keeps
-    its path through :math:`z_1` (at any depth: each sample is a cut point).
+    This is the package's ``Trace_ELBO`` with the guide under
+    :func:`~pyro_gradroute.poutine.stick_the_landing`, a drop-in for
+    :class:`pyro.infer.Trace_ELBO`: same arguments, the same draws and loss for the same seed,
+    the model and guide run once per particle. Non-reparameterized sites keep the score
+    function. How ``Delta``, flow, structured and straight-through sites are treated,
+    ``infer={"stl": False}`` and the cost are on the "Sticking the landing" page
+    (``docs/stl.md``).
 
-    This is the package's ``Trace_ELBO`` running the guide under
-    :func:`~pyro_gradroute.poutine.stick_the_landing` (one mechanism: the sites'
-    ``score_parts`` carry the pathwise gradient), with routing.
-
-    Drop-in for :class:`pyro.infer.Trace_ELBO`: same constructor arguments
-    (``num_particles``, ``vectorize_particles``, ``max_plate_nesting``, ...), and the
-    draws and loss values are identical for the same random seed. The guide's
-    log-density is evaluated once per site; the model and guide run once per particle, on
-    every step.
-
-    * non-reparameterized guide sites keep the score-function treatment of ``Trace_ELBO``
-      (through their distribution's own ``score_parts``, masks included);
-    * distributions with their own ``score_parts`` (``Rejector``) keep their score
-      function term; only their entropy term is taken pathwise;
-    * ``Delta`` sites (AutoDelta, and the sites AutoContinuous guides unpack) have no
-      random draw of their own: their value's gradient is the model's, and their
-      ``log_density`` is taken pathwise through the draws it is computed from.
-      ``AutoStructured`` and ``AutoGaussian`` (dense), whose Deltas' ``log_density``
-      depends on the parameters directly, take the pathwise part of the joint density
-      through the guide's affine map; any other ``log_density`` that depends on
-      parameters directly is an error naming the site;
-    * a site whose distribution cannot be split (a flow with a transform that has neither
-      a forward rule nor an inverse) gets the ordinary gradient, with a warning naming it;
-    * ``infer={"stl": False}`` on a guide site restores the ordinary gradient there;
-      ``infer={"stl": True}`` on a site without ``rsample`` is an error.
-
-    ``trace_steps=N``: the first ``N`` calls of ``loss_and_grads`` (SVI steps) take the
-    ordinary ``Trace_ELBO`` gradient, and sticking the landing starts after them. Far from
-    the posterior (Pyro's narrow initial scales, e.g. ``AutoNormal(init_scale=0.1)``) STL's
-    variance can exceed ``Trace_ELBO``'s; starting with ``Trace_ELBO`` avoids that regime.
-    :class:`~pyro_gradroute.infer.TraceAdaptiveSTL_ELBO` makes this choice from measured
-    variances (``mix_gain=math.inf``: the measured switch between the whole estimators).
-
-    **Cost.** A site of a plain family (a torch or Pyro distribution, ``Independent``,
-    ``expand``, ``mask``, or a parameter-free ``TransformedDistribution`` over one) takes
-    its pathwise part from one evaluation of a copy with detached parameters at the live
-    sample: the step costs what ``Trace_ELBO``'s does. Conditional sites, flows without a
-    cached path, families with their own ``score_parts`` and straight-through samples add
-    one custom node for all of them (:func:`~pyro_gradroute.poutine.pathwise.site_pathwise`).
+    ``trace_steps=N``: the first ``N`` SVI steps take ``Trace_ELBO``'s gradient (far from the
+    posterior STL's variance can exceed it);
+    :class:`~pyro_gradroute.infer.TraceAdaptiveSTL_ELBO` makes that choice from measured
+    variances.
 
     Example::
 
