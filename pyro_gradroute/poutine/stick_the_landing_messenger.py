@@ -16,8 +16,7 @@ from .._validation import check_int
 from ..distributions.detached import delta_base, density_reads_parameters, param_tensors
 from ..distributions.split import preimage_rsample
 from ..distributions.structured import calling_structured_guide
-from ._wrapped import _EMPTY, WrappedDistribution
-from .block_grad_messenger import GatedDistribution
+from .block_grad_messenger import _EMPTY, GatedDistribution, WrappedDistribution
 from .pathwise import RunSite, _delta_error, evaluate_run
 
 __all__ = ["STLPolicy", "StickTheLandingMessenger", "check_elbo", "stick_the_landing"]
