@@ -15,8 +15,6 @@ density reads parameters directly: a structured guide's map
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 from pyro.distributions.score_parts import ScoreParts
 
@@ -29,7 +27,7 @@ from ..distributions.split import (
     flatten_transformed,
     split_score_parts,
 )
-from ..distributions.structured import StructuredNotSupported, structured_pathwise
+from ..distributions.structured import structured_pathwise
 from ..routing import reached, reached_nodes, reaches_leaf_directly
 
 __all__ = ["evaluate_run", "site_pathwise"]
@@ -219,17 +217,6 @@ class RunSite:
         return self.earlier[: self.index]
 
 
-class _Record(NamedTuple):
-    """A site as :func:`~pyro_gradroute.distributions.structured.structured_pathwise` reads it."""
-
-    raw: torch.Tensor
-    fn: object
-
-    @property
-    def parts(self) -> tuple:
-        return (self.fn.score_parts(self.raw),)
-
-
 def evaluate_run(sites: list[RunSite], earlier: list, nodes: dict, fallback=None, run=None) -> None:
     """Set each site's ``parts`` (unscaled pathwise :class:`ScoreParts`; None: ordinary).
 
@@ -280,13 +267,8 @@ def _split(items, earlier, fallback) -> None:
 
 def _structured(owner, sites: list[RunSite]) -> None:
     """Pathwise parts of a structured guide's sites (its auxiliary draws and Deltas)."""
-    records = {s.name: _Record(s.value, s.fn) for s in sites}
-    try:
-        parts = structured_pathwise(owner, records)
-    except StructuredNotSupported as e:
-        raise ValueError(str(e)) from None
     by_name = {s.name: s for s in sites}
-    for name, (lp, point) in parts.items():
+    for name, (lp, point) in structured_pathwise(owner, by_name).items():
         site = by_name[name]
         site.owner, site.point = owner, point
         if lp is not None:
