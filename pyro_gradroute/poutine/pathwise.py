@@ -24,6 +24,7 @@ from ..distributions.split import (
     SplitNotSupported,
     _flow_candidate,
     _sampled_score_parts,
+    _stop,
     flatten_transformed,
     split_score_parts,
 )
@@ -71,14 +72,6 @@ def site_pathwise(name: str, fn, value: torch.Tensor, earlier: list, nodes: dict
     params: list[torch.Tensor] = []
     copy = detached_copy(fn, value, params)  # None where fn is not a plain family
     if copy is not None:
-        if params and not value.requires_grad and torch.is_grad_enabled():
-            raise ValueError(
-                f"guide site '{name}': its value does not depend on its distribution's "
-                "parameters, so it was not drawn by that distribution (another handler, "
-                "e.g. poutine.replay or poutine.condition around the guide, replaced it). "
-                "Sticking the landing needs the sample the guide drew; remove that handler, "
-                "or mark the site infer={'stl': False} to give it the ordinary gradient."
-            )
         ups = reached_nodes(params, nodes) if nodes and _reads_sample(params, nodes) else ()
         if not ups:
             lp = copy.log_prob(value)
@@ -187,10 +180,6 @@ def _traced(name: str, fn, value: torch.Tensor, earlier: list) -> ScoreParts:
         full.score_function,
         path(full.entropy_term, score.entropy_term),
     )
-
-
-def _stop(t):
-    return t.detach() if torch.is_tensor(t) else t
 
 
 class RunSite:
