@@ -91,16 +91,11 @@ def refuse_model_enumeration(elbo, model_trace, guide_trace) -> None:
             )
 
 
-def site_parts(site):
-    """``(full, pathwise)`` scaled and masked ``ScoreParts`` of a guide site.
-
-    A site the estimator's handler took: ``(None, site["score_parts"])``; any other: its
-    ``score_parts`` and the same with every gradient stopped.
-    """
-    full = site["score_parts"]
-    if site.get(PATHWISE) is not None:
-        return None, full
-    return full, type(full)(*(t.detach() if torch.is_tensor(t) else t for t in full))
+def pathwise_log_prob(site):
+    """A guide site's scaled and masked pathwise ``log_prob``: its ``score_parts``' where the
+    estimator's handler took the site, else that with its gradient stopped."""
+    lp = site["score_parts"].log_prob
+    return lp.detach() if site.get(PATHWISE) is None and torch.is_tensor(lp) else lp
 
 
 def scaled(site, t):

@@ -27,8 +27,8 @@ from .elbo import (
     add_term,
     collect_blocks,
     get_split_importance_trace,
+    pathwise_log_prob,
     refuse_model_enumeration,
-    site_parts,
 )
 
 
@@ -423,7 +423,7 @@ class TraceDReG_ELBO(RoutedELBO):
             for name, site in model_sites.items():
                 add_term(terms, ("model", name), (wk * site["log_prob"]).sum())
             for name, site in guide_sites.items():
-                path = site_parts(site)[1].log_prob
+                path = pathwise_log_prob(site)
                 if torch.is_tensor(path) and path.requires_grad:
                     f = factors.get(name, 1.0)
                     add_term(terms, ("guide", name), -(wk * f * path).sum())
