@@ -112,14 +112,9 @@ def _conditional_under_jit(name: str) -> NotImplementedError:
 
 
 def _flow_pathwise(name: str, fn, value: torch.Tensor, nodes: dict) -> ScoreParts | None:
-    r"""The pathwise parts of an unconditional flow site, from its transforms' caches (no node).
-
-    ``fn`` is a ``TransformedDistribution`` with parametrized transforms, each up to the
-    last parametrized one with a forward rule (:mod:`~pyro_gradroute.distributions.flows`),
-    and ``value`` its sample with the path in the caches. ``None`` for any other flow (no
-    cached path, a transform without a rule, a density or sample that reads an earlier
-    sample): the split node evaluates it.
-    """
+    r"""The pathwise parts of an unconditional flow site whose transforms have forward rules
+    (:mod:`~pyro_gradroute.distributions.flows`), from the path in their caches (no node);
+    ``None`` for any other flow (the split node evaluates it)."""
     flat = flatten_transformed(fn)
     if not _flow_candidate(flat):
         return None
