@@ -24,7 +24,6 @@ NO_EXAMPLES = {
     "pyro_gradroute.diagnostics",
     "pyro_gradroute.diagnostics._arviz",
     "pyro_gradroute.distributed",
-    "pyro_gradroute.diagnostics.plates",
     "pyro_gradroute.distributions",
     "pyro_gradroute.distributions.structured",  # internal: the pathwise parts of two Pyro guides
     "pyro_gradroute.guides",
@@ -34,7 +33,6 @@ NO_EXAMPLES = {
     "pyro_gradroute.app",
     "pyro_gradroute.app.plots",
     "pyro_gradroute.poutine",
-    "pyro_gradroute.poutine._wrapped",  # internal: the handlers' delegating base
 }
 
 

@@ -11,7 +11,7 @@ Model and guide run once, vectorized over an outer ``pyro.plate`` (as Pyro's
 model that does not vectorize (e.g. ``PyroModule[nn.Linear]`` with ``PyroSample`` priors, whose
 weight gains a batch dimension that ``F.linear`` refuses): see :func:`importance_draws`.
 
-Every subsampled ``pyro.plate`` runs at its full size (:mod:`.full_data`): the log-ratio is
+Every subsampled ``pyro.plate`` runs at its full size (:func:`.plates.full_plates`): the log-ratio is
 :math:`\log p(x_{1..N}, z_s) - \log q(z_s)` over all points, not a random minibatch's estimate,
 and :attr:`ImportanceDraws.full_plates` says which plates were made full. Discrete sites
 enumerated in the model (``infer={"enumerate": "parallel"}``, absent from the guide) are summed
@@ -32,9 +32,8 @@ from pyro.poutine.util import prune_subsample_sites
 from .._compat import is_deterministic_site
 from .._validation import check_int
 from .enumerated import EnumerationError, enumerate_model, marginal_terms
-from .full_data import full_data_error, full_plates
+from .plates import full_data_error, full_plates, trace_model
 from .plates import max_plate_nesting as plate_depth
-from .plates import trace_model
 
 _DRAWS = "_diagnostic_draws"  # the plate over guide draws
 

@@ -16,8 +16,7 @@ from .. import _validation
 from .._compat import is_deterministic_site
 from ._arviz import from_dict
 from .draws import ImportanceDraws, importance_draws
-from .full_data import full_plates
-from .plates import plate_coords, site_dims
+from .plates import full_plates, plate_coords, site_dims
 from .psis import pareto_khat
 
 
@@ -98,11 +97,11 @@ def from_pyro_svi(
     ``0..size-1``; others are named ``"{site}_dim_{k}"``.
 
     **Subsampled plates** are evaluated at their full size ``N`` in the model, the guide and the
-    predictive (:mod:`~pyro_gradroute.diagnostics.full_data`): ``observed_data``,
+    predictive (:func:`~pyro_gradroute.diagnostics.plates.full_plates`): ``observed_data``,
     ``log_likelihood``, ``posterior_predictive`` and the ratios cover all ``N`` points (groups'
     attribute ``subsampled_plates_evaluated_in_full``). A model whose observations are only the
     minibatch (``obs=batch``, not ``data[ind]``) raises
-    :class:`~pyro_gradroute.diagnostics.full_data.FullDataError` naming the plate.
+    :class:`~pyro_gradroute.diagnostics.plates.FullDataError` naming the plate.
 
     **Discrete sites enumerated in the model** are summed out
     (:mod:`~pyro_gradroute.diagnostics.enumerated`, which lists what raises

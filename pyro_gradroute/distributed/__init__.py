@@ -27,12 +27,13 @@ or PyTorch Lightning, uses ``DistributedDataParallel(loss_fn)`` instead (the Sca
 """
 
 from .gradients import (
+    DEFAULT_BUCKET_CAP_MB,
     DistributedOptimizer,
     ParameterMismatchError,
     average_gradients,
     broadcast_param_store,
+    init_distributed,
 )
-from .setup import DEFAULT_BUCKET_CAP_MB, init_distributed
 from .sharding import ShardedPlate
 
 __all__ = [

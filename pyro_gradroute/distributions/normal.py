@@ -15,8 +15,6 @@ backward gives both parts there.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 from pyro.distributions.util import scale_and_mask
 from pyro.poutine.util import site_is_subsample
@@ -26,7 +24,7 @@ from ..routing import passes_product, reached_nodes, reaches_leaf_directly
 from .detached import delta_base, density_reads_parameters
 from .flows import _flatten
 
-__all__ = ["NormalSite", "normal_pushforward", "normal_score", "normal_sites"]
+__all__ = ["normal_pushforward", "normal_score", "normal_sites"]
 
 
 def normal_pushforward(fn) -> tuple[Normal | None, int, list]:
@@ -104,18 +102,10 @@ def normal_score(
     return [(k, t, g if g.shape == t.shape else g.sum_to_size(t.shape)) for k, t, g in out]
 
 
-class NormalSite(NamedTuple):
-    """A guide site whose score part is read at its ``Normal``'s parameters."""
-
-    name: str
-    base: Normal
-    event_ndims: int
-    transforms: list  # parameter-free bijections pushing the Normal forward, in order
-
-
-def normal_sites(trace) -> list[NormalSite] | str:
-    r"""The guide sites whose score part is closed-form at their ``Normal``'s parameters, or
-    the reason (naming the site) why a site is not one.
+def normal_sites(trace) -> list[tuple[str, Normal, int, list]] | str:
+    r"""``(name, base, event_ndims, transforms)`` (as :func:`normal_pushforward` gives them) of
+    the guide sites whose score part is closed-form at their ``Normal``'s parameters, or the
+    reason (naming the site) why a site is not one.
 
     Qualifies a guide trace whose latent sites are each: marked ``infer={"stl": False}``; a
     ``Delta`` reaching the parameters only through earlier samples; or a
@@ -169,7 +159,7 @@ def normal_sites(trace) -> list[NormalSite] | str:
                     for f in site["cond_indep_stack"]
                 ):
                     return f"guide site '{name}' is in a subsampled plate"
-                out.append(NormalSite(name, base, nd, transforms))
+                out.append((name, base, nd, transforms))
         if torch.is_tensor(value) and value.grad_fn is not None:
             nodes[value.grad_fn] = len(nodes)
     return out

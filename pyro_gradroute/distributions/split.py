@@ -451,7 +451,7 @@ def split_score_parts(items, on_error=None, cut: bool = False, names=None):
                 raise
             raise ValueError(f"Error while computing log_prob at site '{names[i]}':\n{e}") from e
         g_flow, score = (None, parts.log_prob) if flow is None else flow
-        results[i] = (parts, _stop_all(parts), score)
+        results[i] = (parts, ScoreParts(*map(_stop, parts)), score)
         distinct: dict[str, str] = {}  # part name -> the first name holding the same tensor
         for name in _NAMES:
             t = getattr(parts, name)
@@ -519,7 +519,3 @@ _NAMES = ("log_prob", "score_function", "entropy_term")
 
 def _stop(t):
     return t.detach() if torch.is_tensor(t) else t
-
-
-def _stop_all(parts: ScoreParts) -> ScoreParts:
-    return ScoreParts(*(_stop(t) for t in parts))

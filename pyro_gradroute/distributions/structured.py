@@ -13,8 +13,8 @@ arithmetic is rerun with live parameters, then inverted with the parameters stop
 
 (a triangular solve; ``AutoGaussian``'s dense backend: :math:`(u_s - \bot(m_s)) /
 \bot(\sigma_s)`). Every recomputed value is checked against the trace's, and anything else
-(an overridden method, a callable conditional, the funsor backend) raises
-:class:`StructuredNotSupported` naming the site.
+(an overridden method, a callable conditional, the funsor backend) raises ``ValueError``
+naming the site.
 """
 
 from __future__ import annotations
@@ -39,12 +39,8 @@ from .._compat import (
 )
 from .detached import delta_base
 
-__all__ = ["StructuredNotSupported", "calling_structured_guide", "structured_pathwise"]
+__all__ = ["calling_structured_guide", "structured_pathwise"]
 _DENSE_METHODS = ("_transform_values", "_sample_aux_values", "_dense_unflatten", "_dense_flatten")
-
-
-class StructuredNotSupported(ValueError):
-    """A structured guide whose pathwise part cannot be computed exactly."""
 
 
 @functools.cache
@@ -87,9 +83,9 @@ def _check_close(name: str, what: str, got: torch.Tensor, want: torch.Tensor, sc
 _TRACE = "pyro_gradroute.infer.Trace_ELBO with this guide"
 
 
-def _refuse(site: str, why: str, use: str = _TRACE) -> StructuredNotSupported:
+def _refuse(site: str, why: str, use: str = _TRACE) -> ValueError:
     """The error for a site whose pathwise part cannot be exact."""
-    return StructuredNotSupported(
+    return ValueError(
         f"guide site '{site}': {why}, so its pathwise part is not available and dropping the "
         f"score part would bias the gradient. Use {use}."
     )
@@ -104,16 +100,17 @@ def _delta_part(name: str, rec, ld: torch.Tensor) -> tuple:
     """A Delta site's pathwise part: its recomputed ``log_density`` ``ld``, checked."""
     want = torch.as_tensor(delta_base(rec.fn).log_density).expand(ld.shape)
     _check_close(name, "log_density", ld, want)
-    return _live(rec.parts[0].log_prob, ld.expand(rec.parts[0].log_prob.shape)), False
+    lp = rec.fn.log_prob(rec.value)
+    return _live(lp, ld.expand(lp.shape)), False
 
 
 def structured_pathwise(guide, records: dict) -> dict:
     """``{site name: (pathwise log_prob, is_point)}`` of a structured guide's sites in ``records``.
 
-    ``records``: the run's sites by name (``raw``: the sample, ``fn``: its distribution,
-    ``parts[0]``: its full score parts). ``is_point``: a Delta of an ``AutoStructured``
-    ``"delta"`` conditional (a function of parameters and upstream noise, no density).
-    Raises :class:`StructuredNotSupported` naming the site where it cannot be exact.
+    ``records``: the run's sites by name (``value``: the sample, ``fn``: its distribution).
+    ``is_point``: a Delta of an ``AutoStructured`` ``"delta"`` conditional (a function of
+    parameters and upstream noise, no density). Raises ``ValueError`` naming the site where
+    it cannot be exact.
     """
     if isinstance(guide, AutoStructured):
         if type(guide).get_deltas is not AutoStructured.get_deltas:
@@ -134,11 +131,11 @@ def structured_pathwise(guide, records: dict) -> dict:
         except RuntimeError as e:  # a layout the recomputation does not reproduce
             why = f"this AutoGaussian's map could not be recomputed ({e})"
             raise _refuse(f"_{pyro_name(guide)}_latent", why) from e
-    raise StructuredNotSupported(f"unsupported structured guide {type(guide).__name__}")
+    raise ValueError(f"unsupported structured guide {type(guide).__name__}")
 
 
-def _override(guide, meth: str) -> StructuredNotSupported:
-    return StructuredNotSupported(
+def _override(guide, meth: str) -> ValueError:
+    return ValueError(
         f"{type(guide).__name__} overrides {meth}, so the pathwise part of its Delta sites (whose "
         f"log_density reads the guide's parameters) is not available. Use {_TRACE}, or Pyro's own."
     )
@@ -146,7 +143,7 @@ def _override(guide, meth: str) -> StructuredNotSupported:
 
 def _record(records: dict, name: str, what: str):
     rec = records.get(name)
-    if rec is None or not torch.is_tensor(rec.raw):
+    if rec is None or not torch.is_tensor(rec.value):
         why = f"({what}) is not in this guide run as the guide records it (renamed, or hidden)"
         raise _refuse(name, why)
     return rec
@@ -169,7 +166,7 @@ def _autostructured(g, records: dict) -> dict:
             a = torch.zeros_like(loc)
         else:
             aux = _record(records, name + "_aux", "its auxiliary draw")
-            eps = aux.raw
+            eps = aux.value
             if eps.requires_grad:
                 why = "AutoStructured's auxiliary draw depends on parameters (a handler changed it)"
                 raise _refuse(name + "_aux", why)
@@ -192,7 +189,7 @@ def _autostructured(g, records: dict) -> dict:
         u = flat.reshape(batch_shape + event_shape)
         transform = biject_to(site["fn"].support)
         value = transform(u)
-        _check_close(name, "value", value, rec.raw)
+        _check_close(name, "value", value, rec.value)
         if cond == "delta":
             # a point: no density; its aux value downstream is a function of upstream noise
             r = torch.zeros_like(loc)
@@ -208,7 +205,7 @@ def _autostructured(g, records: dict) -> dict:
         if cond == "mvn":
             r = torch.linalg.solve_triangular(tril0, r.unsqueeze(-1), upper=False).squeeze(-1)
         _check_close(name + "_aux", "auxiliary draw", r, eps, scale=1.0 + eps.abs().max().item())
-        out[name + "_aux"] = (_live(aux.parts[0].log_prob, aux.fn.log_prob(r)), False)
+        out[name + "_aux"] = (_live(aux.fn.log_prob(aux.value), aux.fn.log_prob(r)), False)
         ld = ld0.reshape(batch_shape + (-1,)).sum(-1)
         ld = ld + transform.inv.log_abs_det_jacobian(value, u)
         out[name] = _delta_part(name, rec, ld)
@@ -222,7 +219,7 @@ def _autogaussian(g, records: dict) -> dict:
     if not isinstance(fn, MultivariateNormal):
         why = f"AutoGaussian's auxiliary draw is a {type(fn).__name__}, not the dense backend's MVN"
         raise _refuse(aux_name, why)
-    x = autogaussian_unflatten(g, aux.raw)
+    x = autogaussian_unflatten(g, aux.value)
     out: dict = {}
     x_hat: dict = {}
     for name, site in autogaussian_factors(g).items():
@@ -234,7 +231,7 @@ def _autogaussian(g, records: dict) -> dict:
         u = x[name] * scale + loc
         transform = biject_to(site["fn"].support)
         value = transform(u)
-        _check_close(name, "value", value, rec.raw)
+        _check_close(name, "value", value, rec.value)
         x_hat[name] = (u - loc.detach()) / scale.detach()
         ld = transform.inv.log_abs_det_jacobian(value, u) - scale.detach().log().reshape(
             site["fn"].batch_shape + (-1,)
@@ -245,11 +242,13 @@ def _autogaussian(g, records: dict) -> dict:
             x_hat[name] = x[name].detach()
     # flattened as the auxiliary draw is laid out (Pyro's _dense_flatten infers each block's
     # sample shape from its own shape, which differs between blocks under vectorized particles)
-    sample_shape = aux.raw.shape[:-1]
+    sample_shape = aux.value.shape[:-1]
     flat_hat = torch.cat(
         [x_hat[d].reshape(sample_shape + (-1,)) for d in autogaussian_dense_blocks(g)], -1
     )
-    _check_close(aux_name, "auxiliary draw", flat_hat, aux.raw, 1.0 + aux.raw.abs().max().item())
+    _check_close(
+        aux_name, "auxiliary draw", flat_hat, aux.value, 1.0 + aux.value.abs().max().item()
+    )
     stopped = MultivariateNormal(fn.loc.detach(), scale_tril=fn.scale_tril.detach())
-    out[aux_name] = (_live(aux.parts[0].log_prob, stopped.log_prob(flat_hat)), False)
+    out[aux_name] = (_live(fn.log_prob(aux.value), stopped.log_prob(flat_hat)), False)
     return out

@@ -91,16 +91,11 @@ def refuse_model_enumeration(elbo, model_trace, guide_trace) -> None:
             )
 
 
-def site_parts(site):
-    """``(full, pathwise)`` scaled and masked ``ScoreParts`` of a guide site.
-
-    A site the estimator's handler took: ``(None, site["score_parts"])``; any other: its
-    ``score_parts`` and the same with every gradient stopped.
-    """
-    full = site["score_parts"]
-    if site.get(PATHWISE) is not None:
-        return None, full
-    return full, type(full)(*(t.detach() if torch.is_tensor(t) else t for t in full))
+def pathwise_log_prob(site):
+    """A guide site's scaled and masked pathwise ``log_prob``: its ``score_parts``' where the
+    estimator's handler took the site, else that with its gradient stopped."""
+    lp = site["score_parts"].log_prob
+    return lp.detach() if site.get(PATHWISE) is None and torch.is_tensor(lp) else lp
 
 
 def scaled(site, t):
@@ -215,16 +210,10 @@ class RoutedELBO(ELBO):
         return -elbo, -surrogate
 
     def _iter_particles(self, model, guide, args, kwargs):
-        """Yield ``(elbo, terms, blocks, trainable)`` per trace, divided by :meth:`_particle_divisor`
-        (``trainable``: the traces hold a ``param`` site; Pyro skips the backward otherwise)."""
-        for elbo, terms, blocks, trainable, _ in self._iter_particle_items(
-            model, guide, args, kwargs
-        ):
-            yield elbo, terms, blocks, trainable
-
-    def _iter_particle_items(self, model, guide, args, kwargs):
-        """:meth:`_iter_particles` with a fifth element: what ``_particle_terms`` returned
-        under the key :data:`EXTRA` (an estimator's per-particle record, passed as a value)."""
+        """Yield ``(elbo, terms, blocks, trainable, extra)`` per trace, divided by
+        :meth:`_particle_divisor` (``trainable``: the traces hold a ``param`` site; Pyro skips
+        the backward otherwise; ``extra``: what ``_particle_terms`` returned under the key
+        :data:`EXTRA`, an estimator's per-particle record passed as a value)."""
         n = self._particle_divisor()
         hook = (
             type(self)._differentiable_loss_particle is not RoutedELBO._differentiable_loss_particle
@@ -263,7 +252,7 @@ class RoutedELBO(ELBO):
     def loss(self, model, guide, *args, **kwargs) -> float:
         """Estimate of the negative ELBO (a float; no gradients)."""
         with torch.no_grad():
-            loss = -sum(e for e, _, _, _ in self._iter_particles(model, guide, args, kwargs))
+            loss = -sum(e for e, *_ in self._iter_particles(model, guide, args, kwargs))
         warn_if_nan(loss, "loss")
         return loss
 
@@ -275,7 +264,7 @@ class RoutedELBO(ELBO):
         which SVI calls and which uses the routing engine's pruned passes).
         """
         loss, surrogate = 0.0, None
-        for elbo, terms, blocks, _ in self._iter_particles(model, guide, args, kwargs):
+        for elbo, terms, blocks, *_ in self._iter_particles(model, guide, args, kwargs):
             terms = {k: routing.gate(v, blocks[k]) if k in blocks else v for k, v in terms.items()}
             loss = loss - elbo
             for v in terms.values():
@@ -288,7 +277,7 @@ class RoutedELBO(ELBO):
     def loss_and_grads(self, model, guide, *args, **kwargs) -> float:
         """Negative ELBO as a float; accumulates the (routed) estimator into ``.grad``."""
         loss = 0.0
-        for elbo, terms, blocks, trainable in self._iter_particles(model, guide, args, kwargs):
+        for elbo, terms, blocks, trainable, _ in self._iter_particles(model, guide, args, kwargs):
             loss -= elbo
             if not (terms and trainable):  # as Pyro: no param site, no backward
                 continue

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .elbo import EXTRA, Terms, site_parts
+from .elbo import EXTRA, Terms, pathwise_log_prob
 from .trace_adaptive_elbo import _Adaptive, _add, _grads, _score_part, _trace_params
 from .trace_dreg_elbo import TraceDReG_ELBO
 
@@ -100,7 +100,7 @@ class TraceAdaptiveDReG_ELBO(_Adaptive, TraceDReG_ELBO):
                 if torch.is_tensor(v) and v is not z and v.requires_grad:
                     taps.append((v, None))  # the model's gradient at the sample
                     seeds.append((z, one_minus_f, getattr(site["fn"], "event_dim", 0)))
-                path = site_parts(site)[1].log_prob
+                path = pathwise_log_prob(site)
                 if torch.is_tensor(path) and path.requires_grad:
                     paths.append((w * one_minus_f * path).sum())
             s = _score_part(site)

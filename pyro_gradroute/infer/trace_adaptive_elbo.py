@@ -246,7 +246,7 @@ class _Adaptive:
         g_path: dict = {}
         g_cv: dict = {}
         with _own_grads() as own:
-            for elbo, terms, blocks, trainable, item in self._iter_particle_items(
+            for elbo, terms, blocks, trainable, item in self._iter_particles(
                 model, guide, args, kwargs
             ):
                 loss -= elbo

@@ -27,8 +27,8 @@ from .elbo import (
     add_term,
     collect_blocks,
     get_split_importance_trace,
+    pathwise_log_prob,
     refuse_model_enumeration,
-    site_parts,
 )
 
 
@@ -152,12 +152,8 @@ class TraceDReG_ELBO(RoutedELBO):
     the full-data bound (Pyro's ``RenyiELBO`` keeps it inside, a tempered bound; without
     subsampling the two are equal).
 
-    **Not covered** (each a ``ValueError`` naming the site; use :class:`pyro.infer.RenyiELBO`):
-    a guide site without ``rsample`` whose density reads parameters (auxiliary sites
-    included), a distribution with its own score-function term (``Rejector``), a Delta whose
-    ``log_density`` reads parameters directly (``AutoStructured`` and ``AutoGaussian`` are
-    covered: one reparameterized draw of the joint :math:`q(z)`), a Delta value that reads
-    draws and parameters directly, and a conditional link between draws of different scales.
+    A guide it does not cover (``docs/dreg.md`` lists them) raises ``ValueError`` naming the
+    site; use :class:`pyro.infer.RenyiELBO` there.
 
     Example::
 
@@ -282,7 +278,7 @@ class TraceDReG_ELBO(RoutedELBO):
             site["type"] == "param" for pair in pairs for t in pair for site in t.nodes.values()
         )
         terms = {k: v for k, v in terms.items() if torch.is_tensor(v) and v.requires_grad}
-        yield elbo, terms, blocks, trainable
+        yield elbo, terms, blocks, trainable, None
 
     def _check_sites(self, guide_trace: Trace) -> None:
         for name, site in guide_trace.nodes.items():
@@ -427,7 +423,7 @@ class TraceDReG_ELBO(RoutedELBO):
             for name, site in model_sites.items():
                 add_term(terms, ("model", name), (wk * site["log_prob"]).sum())
             for name, site in guide_sites.items():
-                path = site_parts(site)[1].log_prob
+                path = pathwise_log_prob(site)
                 if torch.is_tensor(path) and path.requires_grad:
                     f = factors.get(name, 1.0)
                     add_term(terms, ("guide", name), -(wk * f * path).sum())

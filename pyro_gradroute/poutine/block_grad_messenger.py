@@ -1,20 +1,127 @@
 """``block_grad``: keep the log-density terms of chosen sites from chosen parameters (the
-handler, its gate on a site's distribution, and :func:`collect_blocks`, which reads the marks)."""
+handler, its gate on a site's distribution, :func:`collect_blocks`, which reads the marks, and
+the resolution of a spec against the param store)."""
 
 from __future__ import annotations
 
+import fnmatch
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
-from pyro.distributions import Delta, MaskedDistribution
+from pyro.distributions import Delta, MaskedDistribution, TorchDistribution
 from pyro.distributions.score_parts import ScoreParts
 from pyro.ops.provenance import detach_provenance, get_provenance, track_provenance
 from pyro.poutine.messenger import Messenger
+from torch import nn
 
 from .. import routing
-from .._compat import Subsample, is_deterministic_site, mask_of
-from ._wrapped import WrappedDistribution
-from .resolve import BlockSpec, ModuleSpec, ParamSpec, resolve
+from .._compat import Subsample, is_deterministic_site, mask_of, param_store_leaves
+
+ParamSpec = str | Callable[[str], bool] | torch.Tensor
+ModuleSpec = str | nn.Module
+_EMPTY = torch.Size()
+
+
+@dataclass(frozen=True, eq=False)
+class BlockSpec:
+    """What one ``block_grad`` handler blocks: its sites, from its modules and params."""
+
+    sites: frozenset[str]
+    modules: tuple[ModuleSpec, ...]
+    params: tuple[ParamSpec, ...]
+
+
+def _matches(kind: str, spec, store: dict) -> dict[str, torch.Tensor]:
+    """``{param-store name: unconstrained leaf}`` that one module / param spec selects."""
+    module = kind == "module"
+    if isinstance(spec, nn.Module) if module else torch.is_tensor(spec):
+        if not module and not spec.is_leaf:
+            raise ValueError(
+                f"block_grad: params= got a non-leaf tensor of shape {tuple(spec.shape)} (the "
+                "constrained value pyro.param returns?). Pass the param-store name instead; "
+                f"available names: {sorted(store)}"
+            )
+        by_id = {id(t): n for n, t in store.items()}
+        named = spec.named_parameters() if module else [("", spec)]
+        prefix = type(spec).__name__ + "." if module else f"tensor{tuple(spec.shape)}"
+        out = {by_id.get(id(p), prefix + n): p for n, p in named}
+    elif module:
+        out = {
+            n: t for n, t in store.items() if n == spec or n.startswith((spec + "$$$", spec + "."))
+        }
+    elif callable(spec):
+        out = {n: t for n, t in store.items() if spec(n)}
+    elif any(c in spec for c in "*?["):
+        out = {n: t for n, t in store.items() if fnmatch.fnmatchcase(n, spec)}
+    else:
+        out = {spec: store[spec]} if spec in store else {}
+    if out:
+        return out
+    if module:
+        roots = {n.split("$$$")[0] if "$$$" in n else n.rsplit(".", 1)[0] for n in store}
+        avail = sorted(r for r in roots if r)
+        use = "Use the name given to pyro.module(name, net) or the PyroModule's name, or pass "
+        use += "the nn.Module object."
+    else:
+        avail = sorted(store)
+        use = "Use a param-store name, a glob such as 'decoder$$$*', or a predicate."
+    raise ValueError(
+        f"block_grad: {kind} {spec!r} matches no parameter in the param store. "
+        f"Available {kind} names: {avail or '(param store is empty)'}. {use}"
+    )
+
+
+def resolve(specs: Iterable[BlockSpec]) -> dict[str, torch.Tensor]:
+    """Param-store name -> unconstrained leaf (what the optimizer updates), for the union of
+    ``specs``; ``pyro.module("decoder", net)`` registers ``"decoder$$$<param>"``, a
+    ``PyroModule`` named ``decoder`` ``"decoder.<param>"``."""
+    store = param_store_leaves()
+    out: dict[str, torch.Tensor] = {}
+    for spec in specs:
+        for m in spec.modules:
+            out.update(_matches("module", m, store))
+        for p in spec.params:
+            out.update(_matches("param", p, store))
+    return out
+
+
+class WrappedDistribution(TorchDistribution):
+    """``base_dist`` in every respect (sampling, shapes, support, attributes) except what a
+    subclass overrides; ``_own`` names the subclass's own attributes."""
+
+    arg_constraints: dict = {}
+    _own: tuple = ("base_dist",)
+
+    def __getattr__(self, name):
+        if name in type(self)._own:
+            raise AttributeError(name)
+        return getattr(self.base_dist, name)
+
+    @property
+    def has_rsample(self):  # type: ignore[override]
+        return self.base_dist.has_rsample
+
+    @has_rsample.setter
+    def has_rsample(self, value):
+        # Pyro's broadcast copies a site's custom ``has_rsample_`` onto the expanded
+        # distribution by assignment: it belongs to the base distribution
+        self.base_dist.has_rsample = bool(value)
+
+    has_enumerate_support = property(lambda self: self.base_dist.has_enumerate_support)  # type: ignore[assignment]
+    support = property(lambda self: self.base_dist.support)  # type: ignore[assignment]
+    mean = property(lambda self: self.base_dist.mean)
+    variance = property(lambda self: self.base_dist.variance)
+
+    def sample(self, sample_shape=_EMPTY):
+        return self.base_dist.sample(sample_shape)
+
+    def rsample(self, sample_shape=_EMPTY):
+        return self.base_dist.rsample(sample_shape)
+
+    def enumerate_support(self, expand=True):
+        return self.base_dist.enumerate_support(expand=expand)
+
 
 SPECS_KEY = "block_grad_specs"
 
@@ -31,7 +138,7 @@ class GatedDistribution(WrappedDistribution):
     Example::
 
         >>> import torch, pyro.distributions as dist
-        >>> from pyro_gradroute.poutine.resolve import BlockSpec
+        >>> from pyro_gradroute.poutine.block_grad_messenger import BlockSpec
         >>> loc = torch.tensor(0.0, requires_grad=True)
         >>> spec = BlockSpec(frozenset({"x"}), (), (loc,))
         >>> d = GatedDistribution(dist.Normal(loc, 1.0), [spec])

@@ -15,8 +15,6 @@ density reads parameters directly: a structured guide's map
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 from pyro.distributions.score_parts import ScoreParts
 
@@ -26,10 +24,11 @@ from ..distributions.split import (
     SplitNotSupported,
     _flow_candidate,
     _sampled_score_parts,
+    _stop,
     flatten_transformed,
     split_score_parts,
 )
-from ..distributions.structured import StructuredNotSupported, structured_pathwise
+from ..distributions.structured import structured_pathwise
 from ..routing import reached, reached_nodes, reaches_leaf_directly
 
 __all__ = ["evaluate_run", "site_pathwise"]
@@ -73,14 +72,6 @@ def site_pathwise(name: str, fn, value: torch.Tensor, earlier: list, nodes: dict
     params: list[torch.Tensor] = []
     copy = detached_copy(fn, value, params)  # None where fn is not a plain family
     if copy is not None:
-        if params and not value.requires_grad and torch.is_grad_enabled():
-            raise ValueError(
-                f"guide site '{name}': its value does not depend on its distribution's "
-                "parameters, so it was not drawn by that distribution (another handler, "
-                "e.g. poutine.replay or poutine.condition around the guide, replaced it). "
-                "Sticking the landing needs the sample the guide drew; remove that handler, "
-                "or mark the site infer={'stl': False} to give it the ordinary gradient."
-            )
         ups = reached_nodes(params, nodes) if nodes and _reads_sample(params, nodes) else ()
         if not ups:
             lp = copy.log_prob(value)
@@ -121,14 +112,9 @@ def _conditional_under_jit(name: str) -> NotImplementedError:
 
 
 def _flow_pathwise(name: str, fn, value: torch.Tensor, nodes: dict) -> ScoreParts | None:
-    r"""The pathwise parts of an unconditional flow site, from its transforms' caches (no node).
-
-    ``fn`` is a ``TransformedDistribution`` with parametrized transforms, each up to the
-    last parametrized one with a forward rule (:mod:`~pyro_gradroute.distributions.flows`),
-    and ``value`` its sample with the path in the caches. ``None`` for any other flow (no
-    cached path, a transform without a rule, a density or sample that reads an earlier
-    sample): the split node evaluates it.
-    """
+    r"""The pathwise parts of an unconditional flow site whose transforms have forward rules
+    (:mod:`~pyro_gradroute.distributions.flows`), from the path in their caches (no node);
+    ``None`` for any other flow (the split node evaluates it)."""
     flat = flatten_transformed(fn)
     if not _flow_candidate(flat):
         return None
@@ -191,10 +177,6 @@ def _traced(name: str, fn, value: torch.Tensor, earlier: list) -> ScoreParts:
     )
 
 
-def _stop(t):
-    return t.detach() if torch.is_tensor(t) else t
-
-
 class RunSite:
     """One guide site of a run, as :func:`evaluate_run` reads it."""
 
@@ -217,17 +199,6 @@ class RunSite:
     def upstream(self) -> list:
         """The samples drawn before this one (with an autograd node), in draw order."""
         return self.earlier[: self.index]
-
-
-class _Record(NamedTuple):
-    """A site as :func:`~pyro_gradroute.distributions.structured.structured_pathwise` reads it."""
-
-    raw: torch.Tensor
-    fn: object
-
-    @property
-    def parts(self) -> tuple:
-        return (self.fn.score_parts(self.raw),)
 
 
 def evaluate_run(sites: list[RunSite], earlier: list, nodes: dict, fallback=None, run=None) -> None:
@@ -280,13 +251,8 @@ def _split(items, earlier, fallback) -> None:
 
 def _structured(owner, sites: list[RunSite]) -> None:
     """Pathwise parts of a structured guide's sites (its auxiliary draws and Deltas)."""
-    records = {s.name: _Record(s.value, s.fn) for s in sites}
-    try:
-        parts = structured_pathwise(owner, records)
-    except StructuredNotSupported as e:
-        raise ValueError(str(e)) from None
     by_name = {s.name: s for s in sites}
-    for name, (lp, point) in parts.items():
+    for name, (lp, point) in structured_pathwise(owner, by_name).items():
         site = by_name[name]
         site.owner, site.point = owner, point
         if lp is not None:

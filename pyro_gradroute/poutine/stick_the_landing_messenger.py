@@ -16,8 +16,7 @@ from .._validation import check_int
 from ..distributions.detached import delta_base, density_reads_parameters, param_tensors
 from ..distributions.split import preimage_rsample
 from ..distributions.structured import calling_structured_guide
-from ._wrapped import _EMPTY, WrappedDistribution
-from .block_grad_messenger import GatedDistribution
+from .block_grad_messenger import _EMPTY, GatedDistribution, WrappedDistribution
 from .pathwise import RunSite, _delta_error, evaluate_run
 
 __all__ = ["STLPolicy", "StickTheLandingMessenger", "check_elbo", "stick_the_landing"]
@@ -186,17 +185,6 @@ _GRADIENT_METHODS = ("loss_and_grads", "differentiable_loss", "_differentiable_l
 _VALID: dict[type, bool] = {}  # estimator class -> whether STL is valid in it
 
 
-def _valid_in(cls) -> bool:
-    import pyro.infer as pi
-
-    allowed = (pi.Trace_ELBO, pi.JitTrace_ELBO, pi.TraceGraph_ELBO, pi.JitTraceGraph_ELBO,
-               pi.TraceEnum_ELBO, pi.JitTraceEnum_ELBO, pi.TraceMeanField_ELBO,
-               pi.JitTraceMeanField_ELBO)  # fmt: skip
-    base = next((c for c in cls.__mro__ if c in allowed or vars(c).get("_stl_safe") is True), None)
-    owners = (next((c for c in cls.__mro__ if m in vars(c)), None) for m in _GRADIENT_METHODS)
-    return base is not None and all(c is None or c in base.__mro__ for c in owners)
-
-
 def check_elbo(elbo) -> None:
     """Raise unless ``elbo`` (the estimator running the guide, or None) is one STL is valid in.
 
@@ -216,10 +204,16 @@ def check_elbo(elbo) -> None:
     if elbo is None:
         return
     cls = type(elbo)
-    ok = _VALID.get(cls)
-    if ok is None:
-        ok = _VALID[cls] = _valid_in(cls)
-    if ok:
+    if cls not in _VALID:
+        import pyro.infer as pi
+
+        allowed = (pi.Trace_ELBO, pi.JitTrace_ELBO, pi.TraceGraph_ELBO, pi.JitTraceGraph_ELBO,
+                   pi.TraceEnum_ELBO, pi.JitTraceEnum_ELBO, pi.TraceMeanField_ELBO,
+                   pi.JitTraceMeanField_ELBO)  # fmt: skip
+        base = next((c for c in cls.__mro__ if c in allowed or vars(c).get("_stl_safe")), None)
+        owners = (next((c for c in cls.__mro__ if m in vars(c)), None) for m in _GRADIENT_METHODS)
+        _VALID[cls] = base is not None and all(c is None or c in base.__mro__ for c in owners)
+    if _VALID[cls]:
         return
     raise ValueError(
         f"stick_the_landing cannot be used with {type(elbo).__name__}: sticking the landing "

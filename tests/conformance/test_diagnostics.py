@@ -20,7 +20,7 @@ import torch
 
 from pyro_gradroute.diagnostics import pareto_khat, to_inference_data
 from pyro_gradroute.diagnostics.enumerated import EnumerationError
-from pyro_gradroute.diagnostics.full_data import FullDataError
+from pyro_gradroute.diagnostics.plates import FullDataError
 from tests.diagnostics import test_full_data_enumerated as m
 
 S = 200

@@ -11,7 +11,7 @@ from pyro.infer.autoguide import AutoNormal
 from pyro_gradroute.diagnostics import pareto_khat, psis_khat, to_inference_data
 from pyro_gradroute.diagnostics.draws import importance_draws
 from pyro_gradroute.diagnostics.enumerated import EnumerationError
-from pyro_gradroute.diagnostics.full_data import FullDataError
+from pyro_gradroute.diagnostics.plates import FullDataError
 
 S, N = 200, 40
 X = torch.randn(N, generator=torch.Generator().manual_seed(1)) + 1.0

@@ -9,8 +9,7 @@ from pyro.nn import PyroModule
 
 from pyro_gradroute import infer as rinfer
 from pyro_gradroute.poutine import block_grad
-from pyro_gradroute.poutine.block_grad_messenger import GatedDistribution
-from pyro_gradroute.poutine.resolve import BlockSpec
+from pyro_gradroute.poutine.block_grad_messenger import BlockSpec, GatedDistribution
 
 from ..routing.reference import assert_rel_close, naive_grads
 from .models import Seed

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import numbers
 from collections.abc import Callable, Iterator
 
 import pyro.distributions.transforms as PT
@@ -25,6 +24,7 @@ from ..._compat import (
     naf_cache,
     spline_log_derivative,
 )
+from ..._validation import check_float, check_int
 from .path import FlowLayer
 from .rules import mlp_vjp, register_flow_rule
 
@@ -60,22 +60,14 @@ def solve_settings(rtol: float | None = None, max_iter: int | None = None) -> It
         >>> with solve_settings(rtol=1e-8):
         ...     pass  # TraceSTL_ELBO / TraceDReG_ELBO steps here use rtol=1e-8
     """
-    if rtol is not None and (
-        isinstance(rtol, bool) or not isinstance(rtol, numbers.Real) or not 0 <= rtol < 1
-    ):
-        raise ValueError(f"solve_settings: rtol must be a number in [0, 1), got {rtol!r}")
-    if max_iter is not None and (
-        isinstance(max_iter, bool) or not isinstance(max_iter, numbers.Integral) or max_iter < 1
-    ):
-        raise ValueError(
-            f"solve_settings: max_iter must be a positive integer, got {max_iter!r} "
-            "(None: the dimension D, exact in exact arithmetic)"
-        )
+    rtol = check_float(rtol, "rtol", "solve_settings", low=0.0, high=1.0, high_open=True,
+                       allow_none=True)  # fmt: skip
+    max_iter = check_int(max_iter, "max_iter", "solve_settings", minimum=1, allow_none=True)
     old = dataclasses.replace(_SETTINGS)
     if rtol is not None:
-        _SETTINGS.rtol = float(rtol)
+        _SETTINGS.rtol = rtol
     if max_iter is not None:
-        _SETTINGS.max_iter = int(max_iter)
+        _SETTINGS.max_iter = max_iter
     try:
         yield
     finally:
