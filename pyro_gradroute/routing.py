@@ -623,8 +623,21 @@ def reached_nodes(tensors: Sequence[torch.Tensor], targets: dict) -> list[int]:
     one walk that does not look below a target."""
     if not targets:
         return []
-    nodes = _walk(_roots(tensors), lambda n: () if n in targets else _next(n))
-    return sorted({targets[n] for n in nodes if n in targets})
+    # every conditional or flow site's walk, every step: a plain loop that skips leaves'
+    # accumulators (a target is a sample's node, never a leaf's)
+    hit: set[int] = set()
+    stack = _roots(tensors)
+    seen = set(stack)
+    while stack:
+        node = stack.pop()
+        if node in targets:
+            hit.add(targets[node])
+            continue
+        for f, _ in node.next_functions:
+            if f is not None and f not in seen and (f in targets or f.next_functions):
+                seen.add(f)
+                stack.append(f)
+    return sorted(hit)
 
 
 #: autograd nodes of matrix products (a network layer: its output elements mix its inputs)

@@ -8,6 +8,7 @@ import functools
 import inspect
 import itertools
 import types
+import weakref
 
 import torch
 from torch.distributions import Independent, Normal, TransformedDistribution
@@ -234,6 +235,10 @@ class FlowPath:
         return g
 
 
+#: modules seen holding parameters (checked on every step; a module keeps its parameters)
+_WITH_PARAMS: weakref.WeakSet = weakref.WeakSet()
+
+
 def _holds_params(obj, seen: set, cache: bool) -> bool:
     """Whether ``obj`` holds, or computes from, a tensor that requires grad."""
     if id(obj) in seen:
@@ -241,8 +246,12 @@ def _holds_params(obj, seen: set, cache: bool) -> bool:
     seen.add(id(obj))
     if torch.is_tensor(obj):
         return obj.requires_grad
-    if isinstance(obj, torch.nn.Module) and any(True for _ in obj.parameters()):
-        return True
+    if isinstance(obj, torch.nn.Module):
+        if obj in _WITH_PARAMS:
+            return True
+        if next(obj.parameters(), None) is not None:
+            _WITH_PARAMS.add(obj)
+            return True
     if isinstance(obj, functools.partial):
         parts = [obj.func, *obj.args, *obj.keywords.values()]
     elif inspect.ismethod(obj):
