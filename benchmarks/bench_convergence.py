@@ -309,13 +309,24 @@ def _sv_centered_model(T: int):
 SV_DATA_SEED = 3
 
 
-def _sv_centered_data(T: int = 100) -> torch.Tensor:
-    """Returns drawn from the centered model's prior itself (fixed seed, the global RNG
-    restored)."""
+def _sv_centered_data(T: int = 100, seed: int = SV_DATA_SEED, **fixed: float) -> torch.Tensor:
+    """Returns drawn from the centered model itself (seed ``seed``, the global RNG restored):
+    every latent from its prior, or the global ones named in ``fixed`` (``persistence``,
+    ``mean_log_vol``, ``shock_scale``) held at the given values and the path drawn given them."""
+    model = _sv_centered_model(T)
+    if fixed:
+        model = poutine.condition(model, data={k: torch.tensor(v) for k, v in fixed.items()})
     with torch.random.fork_rng(devices=[]):
-        pyro.set_rng_seed(SV_DATA_SEED)
-        trace = poutine.trace(_sv_centered_model(T)).get_trace(None)
+        pyro.set_rng_seed(seed)
+        trace = poutine.trace(model).get_trace(None)
     return trace.nodes["returns"]["value"].detach()
+
+
+def _sv_centered(guide: Callable, y: torch.Tensor) -> Problem:
+    """The centered stochastic-volatility problem on returns ``y``: ``guide(model)``, Adam lr
+    0.05, 5000 steps."""
+    model = _sv_centered_model(len(y))
+    return Problem(model, guide(model), (y,), 5000, 0.05, max_plate_nesting=0)
 
 
 def stoch_vol_centered(seed: int) -> Problem:
@@ -323,17 +334,13 @@ def stoch_vol_centered(seed: int) -> Problem:
     mean_log_vol ~ Cauchy(0, 5), shock_scale ~ HalfCauchy(2), log_vol a stationary AR(1) path
     of 100 (one event: 103 latents), returns ~ Normal(0, exp(log_vol / 2)); AutoNormal at
     Pyro's default init, Adam lr 0.05, 5000 steps."""
-    model = _sv_centered_model(100)
-    return Problem(model, AutoNormal(model), (_sv_centered_data(100),), 5000, 0.05,
-                   max_plate_nesting=0)  # fmt: skip
+    return _sv_centered(AutoNormal, _sv_centered_data(100))
 
 
 def stoch_vol_centered_lowrank(seed: int) -> Problem:
     """:func:`stoch_vol_centered` with ``AutoLowRankMultivariateNormal`` (Pyro's default rank
     and init)."""
-    model = _sv_centered_model(100)
-    return Problem(model, AutoLowRankMultivariateNormal(model), (_sv_centered_data(100),), 5000,
-                   0.05, max_plate_nesting=0)  # fmt: skip
+    return _sv_centered(AutoLowRankMultivariateNormal, _sv_centered_data(100))
 
 
 def glm(seed: int) -> Problem:
