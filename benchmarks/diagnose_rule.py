@@ -1,6 +1,7 @@
 """Why the adaptive estimator's policy picks STL where it loses: per-parameter gradient moments.
 
-Along a ``Trace_ELBO`` trajectory (Adam, the model's lr), at a few
+Along a ``Trace_ELBO`` trajectory (``--along stl`` / ``adaptive``: that estimator's; Adam, the
+model's lr), at a few
 checkpoints, ``--draws`` guide draws at the frozen parameters; on each draw both parts of the
 gradient of the same draw, per parameter element: ``c`` the score part
 (:math:`\\nabla_\\phi \\log q(\\bot z; \\phi)`) and ``p = g_trace - c`` (STL's gradient). Per group
@@ -24,6 +25,11 @@ import torch
 from bench_convergence import MODELS
 from pyro import poutine
 from pyro.infer import SVI, Trace_ELBO
+
+from pyro_gradroute.infer import TraceAdaptiveSTL_ELBO, TraceSTL_ELBO
+
+#: the estimators whose trajectory the moments can be read along (``--along``)
+ALONG = {"trace": Trace_ELBO, "stl": TraceSTL_ELBO, "adaptive": TraceAdaptiveSTL_ELBO}
 
 
 def parts(p, params: dict) -> tuple[dict, dict]:
@@ -112,11 +118,13 @@ def show(rows: list[dict], head: str) -> None:
           f"{tot['Se']:9.3g} {tot['Sb']:9.3g}", flush=True)  # fmt: skip
 
 
-def run_moments(model: str, steps: int, draws: int, checkpoints: list[int], seed: int) -> list:
+def run_moments(
+    model: str, steps: int, draws: int, checkpoints: list[int], seed: int, along: str = "trace"
+) -> list:
     pyro.clear_param_store()
     pyro.set_rng_seed(seed)
     p = MODELS[model](seed)
-    svi = SVI(p.model, p.guide, pyro.optim.Adam({"lr": p.lr}), Trace_ELBO())
+    svi = SVI(p.model, p.guide, pyro.optim.Adam({"lr": p.lr}), ALONG[along]())
     out = []
     for step in range(1, steps + 1):
         svi.step(*p.args)
@@ -124,7 +132,7 @@ def run_moments(model: str, steps: int, draws: int, checkpoints: list[int], seed
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(7 + step)
                 rows = table(moments(p, draws))
-            show(rows, f"\n== {model}, Trace_ELBO trajectory, step {step}, {draws} draws")
+            show(rows, f"\n== {model}, {along} trajectory, step {step}, {draws} draws")
             out.append({"step": step, "rows": rows})
     return out
 
@@ -135,6 +143,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5000)
     ap.add_argument("--draws", type=int, default=300)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--along", default="trace", choices=sorted(ALONG),
+                    help="the estimator whose training trajectory the moments are read along")  # fmt: skip
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -142,7 +152,7 @@ def main() -> None:
     res = {}
     cps = sorted({s for s in (50, 200, 500, 1000, 2000, 3500, 5000) if s <= args.steps}
                  | {args.steps})  # fmt: skip
-    res["moments"] = run_moments(args.model, args.steps, args.draws, cps, args.seed)
+    res["moments"] = run_moments(args.model, args.steps, args.draws, cps, args.seed, args.along)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f)
