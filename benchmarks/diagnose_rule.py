@@ -1,6 +1,7 @@
 """Why the adaptive estimator's policy picks STL where it loses: per-parameter gradient moments.
 
-Along a ``Trace_ELBO`` trajectory (Adam, the model's lr), at a few
+Along a ``Trace_ELBO`` trajectory (``--along stl`` / ``adaptive``: that estimator's; Adam, the
+model's lr), at a few
 checkpoints, ``--draws`` guide draws at the frozen parameters; on each draw both parts of the
 gradient of the same draw, per parameter element: ``c`` the score part
 (:math:`\\nabla_\\phi \\log q(\\bot z; \\phi)`) and ``p = g_trace - c`` (STL's gradient). Per group
@@ -9,6 +10,9 @@ summed second moments of ``Trace_ELBO`` (``S1``), of STL (``S0``), of the per-el
 endpoint (``Se``) and of the per-element optimal mix (``Sb``), the number of elements where STL
 is the better endpoint, and the same sums normalized per element by ``Trace_ELBO``'s second
 moment (``n0 = mean_e E g0_e^2 / E g1_e^2``: what a per-element normalized optimizer sees).
+
+``--trace-on T1,T2``: instead, train with ``Trace_ELBO``'s gradient on the named tensors and
+STL's on the rest, and print the final ELBO (which tensor's endpoint decides the result).
 
 Run: ``python benchmarks/diagnose_rule.py --model sv_centered --steps 5000 --draws 300``.
 """
@@ -24,6 +28,11 @@ import torch
 from bench_convergence import MODELS
 from pyro import poutine
 from pyro.infer import SVI, Trace_ELBO
+
+from pyro_gradroute.infer import TraceAdaptiveSTL_ELBO, TraceSTL_ELBO
+
+#: the estimators whose trajectory the moments can be read along (``--along``)
+ALONG = {"trace": Trace_ELBO, "stl": TraceSTL_ELBO, "adaptive": TraceAdaptiveSTL_ELBO}
 
 
 def parts(p, params: dict) -> tuple[dict, dict]:
@@ -112,11 +121,13 @@ def show(rows: list[dict], head: str) -> None:
           f"{tot['Se']:9.3g} {tot['Sb']:9.3g}", flush=True)  # fmt: skip
 
 
-def run_moments(model: str, steps: int, draws: int, checkpoints: list[int], seed: int) -> list:
+def run_moments(
+    model: str, steps: int, draws: int, checkpoints: list[int], seed: int, along: str = "trace"
+) -> list:
     pyro.clear_param_store()
     pyro.set_rng_seed(seed)
     p = MODELS[model](seed)
-    svi = SVI(p.model, p.guide, pyro.optim.Adam({"lr": p.lr}), Trace_ELBO())
+    svi = SVI(p.model, p.guide, pyro.optim.Adam({"lr": p.lr}), ALONG[along]())
     out = []
     for step in range(1, steps + 1):
         svi.step(*p.args)
@@ -124,9 +135,37 @@ def run_moments(model: str, steps: int, draws: int, checkpoints: list[int], seed
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(7 + step)
                 rows = table(moments(p, draws))
-            show(rows, f"\n== {model}, Trace_ELBO trajectory, step {step}, {draws} draws")
+            show(rows, f"\n== {model}, {along} trajectory, step {step}, {draws} draws")
             out.append({"step": step, "rows": rows})
     return out
+
+
+def run_endpoints(model: str, steps: int, seed: int, trace_on: list[str]) -> dict:
+    """Adam on the gradient ``g_trace - (1 - b) c`` with ``b = 1`` (``Trace_ELBO``'s) on the
+    tensors named in ``trace_on`` (``"all"``: every one) and ``b = 0`` (STL's) on the rest;
+    the final ELBO from 1000 draws (the benchmark's common random numbers of the seed)."""
+    from bench_convergence import elbo_estimate
+
+    pyro.clear_param_store()
+    pyro.set_rng_seed(seed)
+    p = MODELS[model](seed)
+    p.guide(*p.args)  # the guide's parameters
+    params = dict(pyro.get_param_store().named_parameters())
+    short = {n: n.split(".", 1)[-1] for n in params}
+    unknown = set(trace_on) - set(short.values()) - {"all"}
+    if unknown:
+        raise SystemExit(f"--trace-on: no parameter {sorted(unknown)}; {sorted(short.values())}")
+    opt = torch.optim.Adam(list(params.values()), lr=p.lr)  # pyro.optim.Adam's per-leaf math
+    for _ in range(steps):
+        gt, gc = parts(p, params)
+        for n, v in params.items():
+            b = 1.0 if "all" in trace_on or short[n] in trace_on else 0.0
+            v.grad = gt[n] - (1 - b) * gc[n]
+        opt.step()
+    elbo = elbo_estimate(p, 1000, seed)
+    print(f"{model} seed {seed}, Trace_ELBO's gradient on {trace_on or 'none'}, STL's elsewhere: "
+          f"ELBO {elbo:.2f} after {steps} steps", flush=True)  # fmt: skip
+    return {"seed": seed, "trace_on": trace_on, "elbo": elbo}
 
 
 def main() -> None:
@@ -135,14 +174,25 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5000)
     ap.add_argument("--draws", type=int, default=300)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--along", default="trace", choices=sorted(ALONG),
+                    help="the estimator whose training trajectory the moments are read along")  # fmt: skip
+    ap.add_argument("--trace-on", default=None,
+                    help="instead of the moments: train with Trace_ELBO's gradient on these "
+                    "comma-separated tensors (e.g. locs.log_vol; 'all'; '' none) and STL's on the "
+                    "rest, and print the final ELBO")  # fmt: skip
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     torch.set_num_threads(1)
     t0 = time.perf_counter()
     res = {}
+    if args.trace_on is not None:
+        on = [t for t in args.trace_on.split(",") if t]
+        res["endpoints"] = run_endpoints(args.model, args.steps, args.seed, on)
+        print(f"{time.perf_counter() - t0:.0f} s")
+        return
     cps = sorted({s for s in (50, 200, 500, 1000, 2000, 3500, 5000) if s <= args.steps}
                  | {args.steps})  # fmt: skip
-    res["moments"] = run_moments(args.model, args.steps, args.draws, cps, args.seed)
+    res["moments"] = run_moments(args.model, args.steps, args.draws, cps, args.seed, args.along)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f)

@@ -156,7 +156,7 @@ def test_centered_stochastic_volatility_has_103_latents_and_trains(bench):
     import pyro
     from pyro import poutine
 
-    for name in ("sv_centered", "sv_centered_lowrank"):
+    for name in ("sv_centered", "sv_centered_lowrank", "sv_centered_b", "sv_centered_b_lowrank"):
         pyro.clear_param_store()
         p = bench.MODELS[name](0)
         assert (p.steps, p.lr) == (5000, 0.05)
@@ -169,6 +169,27 @@ def test_centered_stochastic_volatility_has_103_latents_and_trains(bench):
             for step in range(3):
                 r.step(step, 3)
         assert r.cpu > 0
+
+
+def test_centered_sv_data_prior_draw_or_fixed_globals(bench):
+    """The default data are the model's prior draw of seed 3; with fixed globals, the AR(1) path
+    and the returns drawn given them (the same draws, in the same order, done by hand)."""
+    import pyro
+    import torch
+    from pyro import poutine
+
+    pyro.set_rng_seed(bench.SV_DATA_SEED)
+    prior = poutine.trace(bench._sv_centered_model(100)).get_trace(None)
+    assert torch.equal(bench._sv_centered_data(100), prior.nodes["returns"]["value"])
+    kw = dict(bench.SV_B_DATA)
+    pyro.set_rng_seed(kw.pop("seed"))
+    t = {k: torch.tensor(v) for k, v in kw.items()}
+    path = bench.AR1(t["mean_log_vol"], t["persistence"], t["shock_scale"], 100).sample()
+    returns = torch.distributions.Normal(0.0, (path / 2).exp()).sample()
+    rng = torch.get_rng_state()
+    assert torch.equal(bench._sv_centered_data(100, **bench.SV_B_DATA), returns)
+    assert torch.equal(torch.get_rng_state(), rng)  # the global stream left as it was
+    assert not torch.equal(returns, prior.nodes["returns"]["value"])
 
 
 @pytest.mark.slow
