@@ -33,7 +33,13 @@ class ControlVariate:
        :math:`b^\star` by :math:`z =` ``confidence`` standard errors);
     4. :math:`b = e + \lambda(\hat b - e)`, :math:`\lambda = \max(0, 1 - (zs)^2/(\hat b - e)^2)`
        (positive-part James-Stein: :math:`b` stays at :math:`e` while :math:`\hat b` is within
-       :math:`z` standard errors of it).
+       :math:`z` standard errors of it);
+    5. with ``gain`` :math:`G`, per parameter tensor :math:`k` (predicted second moments
+       :math:`S_k(b) = \sum_{e \in k} \mathbb E g_e(b)^2`): every element of :math:`k` takes
+       1 (``Trace_ELBO``'s gradient) where :math:`S_k(1) \le G\, S_k(b)`, else 0 (STL's) where
+       :math:`S_k(0) \le G\, S_k(b)`, else keeps the fit. Each tensor leaves ``Trace_ELBO``
+       only for a gain of its own: summed over all tensors, the tensors with the largest mean
+       gradient decide alone.
 
     :math:`b = 1` during the first ``warmup`` updates of a key; ``fixed_weight`` replaces the
     fit everywhere. The fit is recomputed on every update for the first ``fresh`` updates past
@@ -60,6 +66,7 @@ class ControlVariate:
         confidence: float = 2.0,
         fixed_weight: float | None = None,
         *,
+        gain: float | None = None,
         refit: int = 4,
         fresh: int = 5,
         no_score: float = 1e-6,
@@ -73,6 +80,7 @@ class ControlVariate:
         self.center = center
         self.confidence = check_float(confidence, "confidence", where, low=0.0)
         self.fixed_weight = check_float(fixed_weight, "fixed_weight", where, allow_none=True)
+        self.gain = check_float(gain, "gain", where, low=1.0, allow_none=True)
         self.refit, self.fresh, self.no_score = refit, fresh, no_score
         self.state: dict[str, dict] = {}
         self.layouts: dict[str, list[tuple[str, tuple]]] = {}
@@ -135,15 +143,18 @@ class ControlVariate:
         return st is not None and st["n"] > self.warmup + self.fresh
 
     def fit(self, key: str) -> dict | None:
-        """``{"b", "b_hat", "se", "endpoint", "n_eff"}`` (joint vectors), ``None`` in warm-up."""
+        """``{"b", "b_mix", "b_hat", "se", "endpoint", "n_eff"}`` (joint vectors; ``b_mix`` the
+        weights before step 5), ``constant`` (the value every ``b`` takes, else ``None``),
+        ``moments`` (predicted :math:`S(b_{mix}), S(0), S(1)`) and ``ratio``
+        (:math:`S(b) / S(b_{mix})`); ``None`` in warm-up."""
         st = self.state.get(key)
         if st is None or st["n"] <= self.warmup or st["qw"] <= 0:  # in warm-up
             return None
         if st["fit"] is None:
-            st["fit"], st["age"] = self._fit(st), 0
+            st["fit"], st["age"] = self._fit(st, key), 0
         return st["fit"]
 
-    def _fit(self, st: dict) -> dict:
+    def _fit(self, st: dict, key: str) -> dict:
         m = dict(zip(_KEYS, st["buf"].unbind(0)))
         w1, n_eff = st["w1"], st["w1"] ** 2 / st["w2"]
         cc, pc = m["scc"] / w1, m["spc"] / w1
@@ -170,26 +181,35 @@ class ControlVariate:
         shrink = (1 - zse.square() / d2.clamp_min(tiny)).clamp_min(0)
         shrink = torch.where(d2 > 0, shrink, torch.zeros_like(shrink)).nan_to_num(0.0)
         b = end + shrink * (b_hat - end)
-        # the predicted second moments S(b), S(0), S(1): sum_e mean_e^2 + Var p_e
+        # the predicted second moments S(b), S(0), S(1) per element: mean_e^2 + Var p_e
         # + 2 b_e Cov(p_e, c_e) + b_e^2 Var c_e
         mp, mc = m["sp"] / w1, m["sc"] / w1
-        var_p = (m["spp"] / w1 - mp.square()).clamp_min(0)
+        s0 = mp.square() + (m["spp"] / w1 - mp.square()).clamp_min(0)
         cov = m["spc"] / w1 - mp * mc
         var_c = (m["scc"] / w1 - mc.square()).clamp_min(0)
-        mean2 = float(mp.square().sum())
-        totals = (
-            max(float((var_p + b * (2 * cov + b * var_c)).sum()), 0.0),
-            float(var_p.sum()),
-            float((var_p + 2 * cov + var_c).sum()),
-        )
+        s1 = s0 + 2 * cov + var_c
+        s_b = (s0 + b * (2 * cov + b * var_c)).clamp_min(0)
+        totals = tuple(float(t.sum()) for t in (s_b, s0, s1))
+        ratio, b_mix = 1.0, b
+        if self.gain is not None:  # step 5: per tensor, an endpoint unless the fit gains more
+            sizes = [math.prod(shape) for _, shape in self.layouts[key]]
+            tb, t0, t1 = [torch.stack([t.sum() for t in x.split(sizes)]) for x in (s_b, s0, s1)]
+            tb = self.gain * tb
+            e = torch.where(t1 <= tb, 1.0, torch.where(t0 <= tb, 0.0, -1.0))
+            e = e.repeat_interleave(torch.as_tensor(sizes, device=e.device))
+            b = torch.where(e >= 0, e.to(b.dtype), b)
+            s_e = float((s0 + b * (2 * cov + b * var_c)).sum())
+            ratio = s_e / totals[0] if totals[0] > 0 else 1.0
         return {
             "b": b,
+            "b_mix": b_mix,
             "b_hat": b_hat,
             "se": se,
             "endpoint": end,
             "n_eff": n_eff,
             "constant": next((v for v in (0.0, 1.0) if bool((b == v).all())), None),
-            "moments": tuple(mean2 + t for t in totals),
+            "moments": totals,
+            "ratio": ratio,
         }
 
     def weights(self, names: list[str], likes: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -248,10 +268,13 @@ class ControlVariate:
 
     # pickle and deepcopy go through the same copies (no views shared between entries)
     def __getstate__(self) -> dict:
-        return {"state": self.state_dict(), "tuning": (self.refit, self.fresh, self.no_score)}
+        return {
+            "state": self.state_dict(),
+            "tuning": (self.refit, self.fresh, self.no_score, self.gain),
+        }
 
     def __setstate__(self, d: dict) -> None:
-        self.refit, self.fresh, self.no_score = d["tuning"]
+        self.refit, self.fresh, self.no_score, self.gain = d["tuning"]
         self.state, self.layouts = {}, {}
         self.load_state_dict(d["state"])
 

@@ -9,10 +9,11 @@ Since :math:`S(b) = \mathbb E\lVert g(b)\rVert^2 = \lVert \mathbb E g\rVert^2 + 
 * the **gate** (:class:`Gate`): no weights gain more than :math:`B = \mathbb E\lVert
   g_t\rVert^2 / \mathbb E\langle g_t, g_{t-1}\rangle` over the endpoint the steps take; while
   :math:`B \le` ``mix_gain`` no step measures;
-* the **fit**: once settled, while the better endpoint's predicted :math:`S(e)` is within
-  ``mix_gain`` of the fitted weights' :math:`S(b)`, steps take it directly and one in
-  ``measure_every`` measures (the wait doubles after each confirming measurement, up to
-  ``measure_max``, while :math:`S(e) \le` ``calm`` :math:`S(b)`).
+* the **fit**: once settled, where the fit takes one endpoint on every parameter tensor (step
+  5 of :class:`~pyro_gradroute.infer.control_variate.ControlVariate`, with ``mix_gain``),
+  steps take it directly and one in ``measure_every`` measures (the wait doubles after each
+  confirming measurement, up to ``measure_max``, while :math:`S(e) \le` ``calm``
+  :math:`S(b)`, :math:`b` the fitted mix).
 
 ``mix_gain=None`` measures every step; ``math.inf`` never mixes: a switch between the whole
 estimators (``Trace_ELBO`` first, STL once its predicted second moment is the lower).
@@ -154,25 +155,18 @@ class Schedule:
 
     # -- the choice ----------------------------------------------------------------------
     def endpoint(self, cv) -> tuple[float | None, float]:
-        """``(e, r)``: the endpoint direct steps take (``None``: none yet, or the mix pays
-        more than ``mix_gain``), and the better endpoint's predicted second moment over the
-        fitted mix's."""
+        """``(e, r)``: the endpoint direct steps take (``None``: none yet, or the fit takes no
+        single endpoint), and its predicted second moment over the fitted mix's."""
         key = self.key
         if key is None or not cv.settled(key) or cv.fixed_weight is not None:
             return None, 1.0
         fit = cv.fit(key)
         if fit is None:
             return 1.0, 1.0
-        if fit["constant"] is not None and self.mix_gain != math.inf:
-            return fit["constant"], 1.0
-        if self.mix_gain is None:
-            return None, 1.0
-        s_mix, s0, s1 = fit["moments"]
-        best, s_end = (0.0, s0) if s0 <= s1 else (1.0, s1)
         if self.mix_gain == math.inf:
-            return best, 1.0
-        ratio = s_end / s_mix if s_mix > 0 else 1.0
-        return (best if s_end <= self.mix_gain * s_mix else None), ratio
+            s_mix, s0, s1 = fit["moments"]
+            return (0.0 if s0 <= s1 else 1.0), 1.0
+        return fit["constant"], fit["ratio"]
 
     def constant(self, cv, key: str) -> float | None:
         """The weight every element of ``key`` takes on the next measured step, where they all

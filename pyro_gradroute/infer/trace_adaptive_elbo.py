@@ -190,6 +190,7 @@ class _Adaptive:
         )
         self.control_variate = ControlVariate(
             decay, clip, warmup, center, confidence, fixed_weight,
+            gain=mix_gain if mix_gain is not None and math.isfinite(mix_gain) else None,
             refit=config.refit, fresh=config.fresh, no_score=config.no_score, where=where,
         )  # fmt: skip
         self.schedule = Schedule(mix_gain, self.control_variate.decay, config)
@@ -372,10 +373,14 @@ class TraceAdaptiveSTL_ELBO(_Adaptive, TraceSTL_ELBO):
     :param distributed: average the parts over ``torch.distributed`` ranks (``None``:
         when a group is initialized; ``True``: required; ``False``: never), so :math:`b` is
         identical on every rank; every rank must then step together.
-    :param mix_gain: ``None``: every step measures; a number :math:`\ge 1`: steps take the
-        better endpoint directly while its predicted second moment is within ``mix_gain`` of
-        the fitted mix's, and while the gate bounds any weights' gain below it; ``math.inf``:
-        a measured switch between the whole estimators (never a mix).
+    :param mix_gain: ``None``: every step measures and applies the fit; a number
+        :math:`\ge 1`: per parameter tensor, ``Trace_ELBO``'s gradient unless the fit cuts
+        the tensor's predicted second moment by more than ``mix_gain``, then STL's unless it
+        cuts STL's by more (step 5 of
+        :class:`~pyro_gradroute.infer.control_variate.ControlVariate`); steps take an endpoint
+        directly where every tensor takes it, and while the gate bounds any weights' gain below
+        ``mix_gain``; ``math.inf``: a measured switch between the whole estimators (never a
+        mix).
     :param schedule: a :class:`~pyro_gradroute.infer.schedule.ScheduleConfig`.
 
     Other arguments are :class:`pyro.infer.Trace_ELBO`'s.

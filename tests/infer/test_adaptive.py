@@ -661,8 +661,8 @@ def test_settled_at_an_endpoint_measures_ever_less_often():
     and the measured ones come after 3, then 7, then 15 direct steps."""
     gm, guide = _settling_problem()
     elbo = _measuring_schedule_only()
-    elbo.control_variate.weights = lambda names, likes: [torch.zeros_like(t) for t in likes]
     gradient_draws(elbo, gm.model, guide, 40)  # past warm-up and the fresh phase
+    _fit_at_endpoint(elbo, 0.0, ratio=1.0)
     st = next(iter(elbo.control_variate.state.values()))
     elbo.schedule.last_end = None  # the schedule starts at this first settled step
     n0, measured = st["n"], []
@@ -697,66 +697,89 @@ def _second_moments(parts, beta, b):
 
 
 @pytest.mark.parametrize(
-    "b_star, noise, mean, expect",
+    "tensors, expect",
     [
-        (0.5, 0.05, 0.0, None),  # the mix removes almost all of both endpoints' noise: measure
-        (0.5, 0.05, 5.0, 1.0),  # the same noise beside a large mean gradient: it buys little
-        (0.05, 3.0, 0.0, 0.0),  # near STL and noisy: the mix gains < 1.25x, take STL directly
-        (0.9, 3.0, 0.0, 1.0),  # near Trace_ELBO: take Trace_ELBO directly
+        ([(0.5, 0.05, 0.0)], [None]),  # the mix removes almost all of both endpoints' noise
+        ([(0.5, 0.05, 5.0)], [1.0]),  # the same noise beside a large mean gradient: buys little
+        ([(0.05, 3.0, 0.0)], [1.0]),  # near STL but noisy: STL gains < 2x, keep Trace_ELBO
+        ([(0.05, 0.5, 0.0)], [0.0]),  # near STL, little noise: STL gains > 2x, take STL
+        ([(0.9, 3.0, 0.0)], [1.0]),  # near Trace_ELBO: take Trace_ELBO
+        ([(0.05, 0.5, 0.0), (0.05, 0.5, 5.0)], [0.0, 1.0]),  # per tensor: the mean decides
+        ([(0.05, 0.5, 0.0), (0.5, 0.05, 0.0)], [0.0, None]),
     ],
 )
-def test_direct_choice_matches_two_pass_second_moments(b_star, noise, mean, expect):
-    """The direct-step rule, against the second moments recomputed from the stored parts."""
-    beta = 0.9
-    cv = ControlVariate(decay=beta)
+def test_endpoints_per_tensor_match_two_pass_second_moments(tensors, expect):
+    """Step 5 of the fit, against second moments recomputed per tensor from the stored parts:
+    a tensor takes Trace_ELBO's gradient unless the fitted weights gain more than ``mix_gain``
+    over it, then STL's unless they gain more than that over STL; direct steps only where
+    every tensor takes one endpoint."""
+    beta, gain = 0.9, 2.0
+    cv = ControlVariate(decay=beta, gain=gain)
     gen = torch.Generator().manual_seed(3)
-    parts = _feed(cv, 60, b_star, noise, gen, shape=(50,), mean=mean)
-    b = cv.weights(["p"], [torch.zeros(50, dtype=torch.float64)])[0]
-    s_mix, s0, s1 = _second_moments(parts, beta, b)
-    best, s_end = (0.0, s0) if s0 <= s1 else (1.0, s1)
-    ref = best if s_end <= 1.25 * s_mix else None
-    assert ref == expect  # the case is what its label says
-    schedule = Schedule(2.0, beta, ScheduleConfig())
-    schedule.key = "p"
-    assert schedule.endpoint(cv)[0] == expect
-    schedule.mix_gain = None  # off: only exact endpoints go direct
-    assert schedule.endpoint(cv)[0] is None
+    names = [f"t{i}" for i in range(len(tensors))]
+    stored = []
+    for _ in range(60):
+        ps, cs = [], []
+        for b_star, noise, mean in tensors:
+            c = torch.randn(50, generator=gen, dtype=torch.float64)
+            ps.append(
+                mean - b_star * c + noise * torch.randn(50, generator=gen, dtype=torch.float64)
+            )
+            cs.append(c)
+        stored.append((torch.cat(ps), torch.cat(cs)))
+        cv.update(names, ps, cs)
+    likes = [torch.zeros(50, dtype=torch.float64)] * len(names)
+    key = cv.key(names, likes)
+    fit = cv.fit(key)
+    b = cv.weights(names, likes)
+    for i, want in enumerate(expect):
+        sl = slice(50 * i, 50 * (i + 1))
+        parts = [(p[sl], c[sl]) for p, c in stored]
+        s_mix, s0, s1 = _second_moments(parts, beta, fit["b_mix"][sl])
+        ref = 1.0 if s1 <= gain * s_mix else 0.0 if s0 <= gain * s_mix else None
+        assert ref == want  # the case is what its label says
+        if want is None:
+            torch.testing.assert_close(b[i], fit["b_mix"][sl])
+        else:
+            assert bool((b[i] == want).all())
+    schedule = Schedule(gain, beta, ScheduleConfig())
+    schedule.key = key
+    constant = expect[0] if len(set(expect)) == 1 else None
+    assert schedule.endpoint(cv)[0] == constant
+    plain = ControlVariate(decay=beta)  # without ``gain``, no step 5: the fitted mix
+    for p, c in stored:
+        plain.update(["all"], [p], [c])
+    torch.testing.assert_close(plain.fit("all")["b"], fit["b_mix"])
 
 
 def test_direct_steps_equal_pyro_trace_elbo_and_the_others_measure():
-    """A mixed weight whose endpoint is predicted as good: the direct steps are Pyro's
-    Trace_ELBO gradient on the same seed, the measured ones (after 3, 7, 15 direct steps)
-    g_path + b g_cv (they update the moments)."""
+    """A fit settled at Trace_ELBO's endpoint: the direct steps are Pyro's Trace_ELBO gradient
+    on the same seed, and so are the measured ones (after 3, 7, 15 direct steps), which also
+    update the moments."""
     gm, guide = _settling_problem()
     elbo = _measuring_schedule_only()
     gradient_draws(elbo, gm.model, guide, 40)  # past warm-up and the fresh phase
-    _mixed_fit_with_endpoint(elbo, ratio=1.01)  # the mix would gain little: the waits grow
+    _fit_at_endpoint(elbo, 1.0, ratio=1.01)  # the mix would gain little: waits grow
     (st,) = elbo.control_variate.state.values()
     n0, measured = st["n"], []
     for seed in range(30):
         before = st["n"]
         ours = grads_on_seed(elbo, gm.model, guide, seed)
-        if st["n"] == before:
-            ref = grads_on_seed(PyroTrace_ELBO(), gm.model, guide, seed)
-            for k in ref:
-                torch.testing.assert_close(ours[k], ref[k])
-        else:  # the measuring step: b = 0.7 everywhere
-            trace = grads_on_seed(PyroTrace_ELBO(), gm.model, guide, seed)
-            stl = grads_on_seed(TraceSTL_ELBO(), gm.model, guide, seed)
+        if st["n"] != before:
             measured.append(seed)
-            for k in trace:
-                torch.testing.assert_close(ours[k], stl[k] + 0.7 * (trace[k] - stl[k]))
+        ref = grads_on_seed(PyroTrace_ELBO(), gm.model, guide, seed)
+        for k in ref:
+            torch.testing.assert_close(ours[k], ref[k])
     assert measured == _MEASURED_STEPS and st["n"] == n0 + 3
 
 
-def _mixed_fit_with_endpoint(elbo, ratio):
-    """Mixed weights (0.7) whose better endpoint, Trace_ELBO, is within mix_gain of the mix
-    (predicted second moments: mix 1, STL 2, Trace_ELBO ``ratio``); kept for the whole test."""
+def _fit_at_endpoint(elbo, end, ratio):
+    """A fit at endpoint ``end`` everywhere, whose predicted second moment is ``ratio`` times
+    the fitted mix's; kept for the whole test."""
     cv = elbo.control_variate
     (key,) = cv.state
     fit = cv.fit(key)
-    fit.update(b=torch.full_like(fit["b"], 0.7), constant=None, views=None)
-    fit["moments"] = (1.0, 2.0, ratio)
+    fit.update(b=torch.full_like(fit["b"], end), constant=end, ratio=ratio, views=None)
     cv.state[key]["age"] = -100
 
 
@@ -786,7 +809,7 @@ def test_waits_stay_short_while_the_mix_would_gain():
     gm, guide = _settling_problem()
     elbo = _measuring_schedule_only()
     gradient_draws(elbo, gm.model, guide, 40)
-    _mixed_fit_with_endpoint(elbo, ratio=1.2)
+    _fit_at_endpoint(elbo, 1.0, ratio=1.2)
     (st,) = elbo.control_variate.state.values()
     elbo.schedule.last_end = None
     measured = []
@@ -1309,7 +1332,7 @@ def test_schedule_config_sets_when_settled_steps_measure():
     elbo = TraceAdaptiveSTL_ELBO(schedule=config)
     elbo.schedule.gate.bound = lambda: math.inf  # the measurement schedule alone
     gradient_draws(elbo, gm.model, guide, 40)
-    _mixed_fit_with_endpoint(elbo, ratio=1.01)
+    _fit_at_endpoint(elbo, 1.0, ratio=1.01)
     (st,) = elbo.control_variate.state.values()
     elbo.schedule.last_end = None
     measured = []
