@@ -35,11 +35,12 @@ class ControlVariate:
        (positive-part James-Stein: :math:`b` stays at :math:`e` while :math:`\hat b` is within
        :math:`z` standard errors of it);
     5. with ``gain`` :math:`G`, per parameter tensor :math:`k` (predicted second moments
-       :math:`S_k(b) = \sum_{e \in k} \mathbb E g_e(b)^2`): every element of :math:`k` takes
-       1 (``Trace_ELBO``'s gradient) where :math:`S_k(1) \le G\, S_k(b)`, else 0 (STL's) where
-       :math:`S_k(0) \le G\, S_k(b)`, else keeps the fit. Each tensor leaves ``Trace_ELBO``
-       only for a gain of its own: summed over all tensors, the tensors with the largest mean
-       gradient decide alone.
+       :math:`S_k(b) = \sum_{e \in k} \mathbb E g_e(b)^2 \ge M_k = \lVert \mathbb E
+       g_k\rVert^2` for every :math:`b`): every element of :math:`k` takes 1 (``Trace_ELBO``'s
+       gradient) where :math:`S_k(1) \le G M_k` (no weights can gain more than :math:`G`
+       there), else the better endpoint :math:`e` where :math:`S_k(e) \le G\, S_k(b)`, else
+       keeps the fit. Each tensor decides on its own moments: summed over all tensors, the
+       tensors with the largest mean gradient would decide for every other.
 
     :math:`b = 1` during the first ``warmup`` updates of a key; ``fixed_weight`` replaces the
     fit everywhere. The fit is recomputed on every update for the first ``fresh`` updates past
@@ -193,9 +194,11 @@ class ControlVariate:
         ratio, b_mix = 1.0, b
         if self.gain is not None:  # step 5: per tensor, an endpoint unless the fit gains more
             sizes = [math.prod(shape) for _, shape in self.layouts[key]]
-            tb, t0, t1 = [torch.stack([t.sum() for t in x.split(sizes)]) for x in (s_b, s0, s1)]
-            tb = self.gain * tb
-            e = torch.where(t1 <= tb, 1.0, torch.where(t0 <= tb, 0.0, -1.0))
+            per = (s_b, s0, s1, mp.square())
+            tb, t0, t1, tm = [torch.stack([t.sum() for t in x.split(sizes)]) for x in per]
+            best, t_best = (t1 < t0).to(tb.dtype), torch.minimum(t0, t1)
+            e = torch.where(t_best <= self.gain * tb, best, -1.0)
+            e = torch.where(t1 <= self.gain * tm, 1.0, e)
             e = e.repeat_interleave(torch.as_tensor(sizes, device=e.device))
             b = torch.where(e >= 0, e.to(b.dtype), b)
             s_e = float((s0 + b * (2 * cov + b * var_c)).sum())

@@ -374,9 +374,9 @@ class TraceAdaptiveSTL_ELBO(_Adaptive, TraceSTL_ELBO):
         when a group is initialized; ``True``: required; ``False``: never), so :math:`b` is
         identical on every rank; every rank must then step together.
     :param mix_gain: ``None``: every step measures and applies the fit; a number
-        :math:`\ge 1`: per parameter tensor, ``Trace_ELBO``'s gradient unless the fit cuts
-        the tensor's predicted second moment by more than ``mix_gain``, then STL's unless it
-        cuts STL's by more (step 5 of
+        :math:`\ge 1`: per parameter tensor, ``Trace_ELBO``'s gradient while no weights can
+        gain more than ``mix_gain`` there, else the better endpoint unless the fit gains more
+        than ``mix_gain`` over it (step 5 of
         :class:`~pyro_gradroute.infer.control_variate.ControlVariate`); steps take an endpoint
         directly where every tensor takes it, and while the gate bounds any weights' gain below
         ``mix_gain``; ``math.inf``: a measured switch between the whole estimators (never a
