@@ -25,8 +25,8 @@ of a seed: common random numbers), so paired differences are not drowned by eval
   weights, locations and scale; lr 0.05;
 * ``stoch_vol``: a 100-day stochastic-volatility model (AR(1) log-variance, non-centred
   innovations), ``AutoNormal``, lr 0.01;
-* ``sv_centered`` / ``sv_centered_lowrank``: the centered stochastic-volatility model (issue
-  30: AR(1) log-volatility path as one latent, persistence, mean and shock scale latent),
+* ``sv_centered`` / ``sv_centered_lowrank``: the centered stochastic-volatility model (the
+  AR(1) log-volatility path as one latent; persistence, mean and shock scale latent),
   ``AutoNormal`` / ``AutoLowRankMultivariateNormal``, lr 0.05, 5000 steps, on returns drawn from
   its prior (seed 3); ``sv_centered_b`` / ``sv_centered_b_lowrank``: the same on returns drawn at
   fixed persistence 0.95, mean log-volatility 8, shock scale 0.8 (:data:`SV_B_DATA`);
@@ -340,7 +340,7 @@ def _sv_centered(guide: Callable, y: torch.Tensor) -> Problem:
 
 
 def stoch_vol_centered(seed: int) -> Problem:
-    """The centered stochastic-volatility model (issue 30): persistence ~ 2 Beta(20, 1.5) - 1,
+    """The centered stochastic-volatility model: persistence ~ 2 Beta(20, 1.5) - 1,
     mean_log_vol ~ Cauchy(0, 5), shock_scale ~ HalfCauchy(2), log_vol a stationary AR(1) path
     of 100 (one event: 103 latents), returns ~ Normal(0, exp(log_vol / 2)); AutoNormal at
     Pyro's default init, Adam lr 0.05, 5000 steps."""
