@@ -330,7 +330,10 @@ class TraceAdaptiveSTL_ELBO(_Adaptive, TraceSTL_ELBO):
     ``confidence`` standard errors allow
     (:class:`~pyro_gradroute.infer.control_variate.ControlVariate`): with :math:`|b - b^\star|
     \le |e^\star - b^\star|` the step's variance is at most the better endpoint's (a statistical
-    statement, lagging when :math:`b^\star` moves faster than the window ``decay``).
+    statement, lagging when :math:`b^\star` moves faster than the window ``decay``). With a
+    finite ``mix_gain`` :math:`G`, step 5 of the fit gives up at most a factor :math:`G` in a
+    tensor's predicted second moment: for a direct step at an endpoint, or for
+    ``Trace_ELBO``'s gradient on a tensor whose mean gradient dominates.
 
     **Steps** (:class:`~pyro_gradroute.infer.schedule.Schedule`, from earlier steps). A *direct*
     step is Pyro's ``Trace_ELBO`` on ``guide`` or on ``stick_the_landing(guide)``. A *measured*
