@@ -1348,3 +1348,50 @@ def test_schedule_config_sets_when_settled_steps_measure():
         if st["n"] != before:
             measured.append(seed)
     assert measured == _measured_steps(config, 12) == [1, 5, 9]
+
+
+def test_a_tensor_whose_mean_gradient_dominates_keeps_trace_elbo_while_another_takes_stl():
+    """Step 5 in training: one site far from its posterior (its ``loc`` gradient is mostly
+    mean), one at its posterior (STL's gradient there is exact). The fit keeps ``Trace_ELBO``'s
+    gradient on the first ``loc`` and takes STL's on the second, and each step applies, on the
+    same draws, ``Trace_ELBO``'s gradient there, STL's here and ``p + b c`` elsewhere."""
+    D, n = 4, 10
+    x = torch.linspace(-1.0, 1.0, n)[:, None] + torch.arange(D, dtype=torch.float32)
+    post_sd, post_mean = (1.0 / (1 + n)) ** 0.5, x.sum(0) / (1 + n)
+
+    def model():
+        a = pyro.sample("a", dist.Normal(torch.zeros(D), 1.0).to_event(1))
+        b = pyro.sample("b", dist.Normal(torch.zeros(D), 1.0).to_event(1))
+        with pyro.plate("data", n):
+            pyro.sample("xa", dist.Normal(a, 1.0).to_event(1), obs=x)
+            pyro.sample("xb", dist.Normal(b, 1.0).to_event(1), obs=x)
+
+    def guide():
+        sd = torch.full((D,), post_sd)
+        loc_a = pyro.param("loc_a", post_mean + 30 * post_sd)
+        scale_a = pyro.param("scale_a", sd.clone(), constraint=constraints.positive)
+        loc_b = pyro.param("loc_b", post_mean.clone())
+        scale_b = pyro.param("scale_b", sd.clone(), constraint=constraints.positive)
+        pyro.sample("a", dist.Normal(loc_a, scale_a).to_event(1))
+        pyro.sample("b", dist.Normal(loc_b, scale_b).to_event(1))
+
+    elbo = TraceAdaptiveSTL_ELBO()
+    elbo.schedule.gate.bound = lambda: math.inf  # the fit's choice alone, every few steps
+    gradient_draws(elbo, model, guide, 40)
+    cv = elbo.control_variate
+    (key,) = cv.state
+    b = {k: v for k, v in cv.split(key, cv.fit(key)["b"]).items()}
+    assert bool((b["a.loc"] == 1).all()) and bool((b["b.loc"] == 0).all())
+    assert bool((b["b.scale"] == 0).all())
+    assert elbo.schedule.endpoint(cv)[0] is None  # no single endpoint: every step measures
+    for seed in range(3):
+        ours = grads_on_seed(elbo, model, guide, seed)
+        trace = grads_on_seed(PyroTrace_ELBO(), model, guide, seed)
+        stl = grads_on_seed(TraceSTL_ELBO(), model, guide, seed)
+        torch.testing.assert_close(ours["loc_a"], trace["loc_a"])
+        torch.testing.assert_close(ours["loc_b"], stl["loc_b"])
+        torch.testing.assert_close(ours["scale_b"], stl["scale_b"])
+        w = b["a.scale"]  # per element, in the Normal's scale; the constraint is elementwise
+        torch.testing.assert_close(
+            ours["scale_a"], stl["scale_a"] + w * (trace["scale_a"] - stl["scale_a"])
+        )
