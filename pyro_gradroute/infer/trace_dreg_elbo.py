@@ -27,6 +27,7 @@ from .elbo import (
     add_term,
     collect_blocks,
     get_split_importance_trace,
+    name_nan,
     pathwise_log_prob,
     refuse_model_enumeration,
 )
@@ -273,6 +274,9 @@ class TraceDReG_ELBO(RoutedELBO):
             for key, blocked in collect_blocks(model_trace, guide_trace).items():
                 blocks[key] = {**blocks.get(key, {}), **blocked}
         elbo, terms = self._weighted_terms(pairs)
+        if elbo != elbo:  # NaN: a NaN log-density is named
+            for model_trace, guide_trace in pairs:
+                name_nan(guide_trace, model_trace)
         blocks = _joint_blocks(terms, blocks)
         trainable = any(
             site["type"] == "param" for pair in pairs for t in pair for site in t.nodes.values()
