@@ -230,11 +230,12 @@ def density_reads_parameters(delta: Delta, nodes: dict) -> bool:
     return reaches_leaf_directly(ld, stop_nodes=nodes)
 
 
-def short_walk(roots: list, stops, limit: int = 32) -> tuple[bool, bool] | None:
-    """``(reaches a stop, reaches a leaf)``: the graph below the autograd nodes ``roots``, each
-    path ending at a node in ``stops``; None past ``limit`` nodes (the graph walkers of
-    :mod:`~pyro_gradroute.routing` then decide). Decides a guide's plain sites without them."""
-    stack, stop, leaf = list(roots), False, False
+def short_walk(roots: list, stops: dict, limit: int = 32) -> tuple[set, bool] | None:
+    """``(stops reached, reaches a leaf)``: the graph below the autograd nodes ``roots``, each
+    path ending at a node in ``stops`` (node -> index; the indices of those reached are
+    returned); None past ``limit`` nodes (the graph walkers of :mod:`~pyro_gradroute.routing`
+    then decide). Decides a guide's plain sites without them."""
+    stack, hits, leaf = list(roots), set(), False
     while stack:
         limit -= 1
         if limit < 0:
@@ -244,8 +245,9 @@ def short_walk(roots: list, stops, limit: int = 32) -> tuple[bool, bool] | None:
         for f, _ in nexts:
             if f is None:
                 continue
-            if f in stops:
-                stop = True
+            i = stops.get(f)
+            if i is not None:
+                hits.add(i)
             else:
                 stack.append(f)
-    return stop, leaf
+    return hits, leaf

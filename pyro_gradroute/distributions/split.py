@@ -20,7 +20,12 @@ from pyro.distributions import Independent as PyroIndependent
 from pyro.distributions.score_parts import ScoreParts
 from pyro.distributions.torch_distribution import TorchDistributionMixin
 from pyro.distributions.util import scale_and_mask
-from pyro.ops.provenance import detach_provenance, get_provenance, track_provenance
+from pyro.ops.provenance import (
+    ProvenanceTensor,
+    detach_provenance,
+    get_provenance,
+    track_provenance,
+)
 from torch.distributions import Distribution, Independent, TransformedDistribution
 from torch.distributions.transforms import ComposeTransform, IndependentTransform
 
@@ -487,16 +492,23 @@ def split_score_parts(items, on_error=None, cut: bool = False, names=None):
     if len(ups_list) > 1 and not cut:
         _check_independent(ups_list)
     # TraceGraph_ELBO's provenance tracking: stripped for the node, put back on its outputs
-    provenance = [get_provenance(it.lp) for it in node_items]
-    strip = detach_provenance
-    node_items = [
-        it._replace(target=strip(it.target), v=strip(it.v), lp=strip(it.lp)) for it in node_items
-    ]
-    ups_list = [strip(u) for u in ups_list]
-    targets = [strip(t) for t in targets]
+    tracked = any(
+        isinstance(t, ProvenanceTensor)
+        for t in (*ups_list, *targets, *(x for it in node_items for x in (it.v, it.lp)))
+    )
+    if tracked:
+        provenance = [get_provenance(it.lp) for it in node_items]
+        strip = detach_provenance
+        node_items = [
+            it._replace(target=strip(it.target), v=strip(it.v), lp=strip(it.lp))
+            for it in node_items
+        ]
+        ups_list = [strip(u) for u in ups_list]
+        targets = [strip(t) for t in targets]
     meta = (node_items, ups_list, targets, cut)
     outs = _Pathwise.apply(meta, *ups_list, *(it.lp for it in node_items), *targets)
-    outs = [track_provenance(t, provenance[n // 2]) for n, t in enumerate(outs)]
+    if tracked:
+        outs = [track_provenance(t, provenance[n // 2]) for n, t in enumerate(outs)]
     n = 0
     for i, parts, distinct, score in pending:
         split_of = {}

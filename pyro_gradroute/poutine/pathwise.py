@@ -72,7 +72,7 @@ def site_pathwise(name: str, fn, value: torch.Tensor, earlier: list, nodes: dict
     params: list[torch.Tensor] = []
     copy = detached_copy(fn, value, params)  # None where fn is not a plain family
     if copy is not None:
-        ups = reached_nodes(params, nodes) if nodes and _reads_sample(params, nodes) else ()
+        ups = _upstream(params, nodes) if nodes else ()
         if not ups:
             lp = copy.log_prob(value)
             parts = PathwiseParts(lp, 0, lp)
@@ -90,16 +90,20 @@ def site_pathwise(name: str, fn, value: torch.Tensor, earlier: list, nodes: dict
     return tuple(range(len(earlier)))
 
 
-def _reads_sample(params: list, nodes: dict) -> bool:
-    """Whether the parameters may read an earlier sample (then ``reached_nodes`` tells which)."""
-    roots = []
+def _upstream(params: list, nodes: dict) -> list:
+    """Indices (sorted) of the earlier samples (``nodes``: node -> index) the parameters read:
+    one bounded walk, routing's walker past its limit."""
+    hits, roots = set(), []
     for p in params:
-        if p.grad_fn is not None:
-            if p.grad_fn in nodes:
-                return True
-            roots.append(p.grad_fn)
+        node = p.grad_fn
+        if node is not None:
+            i = nodes.get(node)
+            if i is not None:
+                hits.add(i)
+            else:
+                roots.append(node)
     walk = short_walk(roots, nodes)
-    return walk is None or walk[0]
+    return reached_nodes(params, nodes) if walk is None else sorted(hits | walk[0])
 
 
 def _conditional_under_jit(name: str) -> NotImplementedError:
