@@ -72,7 +72,7 @@ def site_pathwise(name: str, fn, value: torch.Tensor, earlier: list, nodes: dict
     params: list[torch.Tensor] = []
     copy = detached_copy(fn, value, params)  # None where fn is not a plain family
     if copy is not None:
-        ups = _upstream(params, nodes) if nodes else ()
+        ups = _upstream(params, nodes) if earlier else ()  # (a sample reads none drawn later)
         if not ups:
             lp = copy.log_prob(value)
             parts = PathwiseParts(lp, 0, lp)
