@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 
 import torch
-from pyro.infer.util import get_dependent_plate_dims
 from pyro.poutine import Trace
 
 from .. import routing
@@ -73,6 +72,22 @@ def _scale_gradient(model_trace: Trace, guide_trace: Trace, factors: dict) -> No
 def _sum_dependent(t: torch.Tensor, dims) -> torch.Tensor:
     dims = [d for d in dims if -t.dim() <= d]
     return t.sum(dims, keepdim=True) if dims else t
+
+
+def _dependent_plate_dims(sites) -> list[int]:
+    """Pyro's ``get_dependent_plate_dims``: the dims of the plates not common to all ``sites``
+    (frames compared as Pyro compares them, each key computed once)."""
+    frames, stacks = {}, []
+    for s in sites:
+        keys = set()
+        for f in s["cond_indep_stack"]:
+            size = f.size.item() if torch.is_tensor(f.size) else f.size
+            key = (f.name, f.dim, size, f.counter)
+            frames[key] = f
+            keys.add(key)
+        stacks.append(keys)
+    common = set(frames).intersection(*stacks)
+    return sorted({f.dim for k, f in frames.items() if k not in common and f.dim is not None})
 
 
 def common_plate_scale(sites) -> float:
@@ -220,7 +235,7 @@ class TraceDReG_ELBO(RoutedELBO):
     def _draw_factor(self, w: torch.Tensor, c) -> torch.Tensor:
         """Factor on the gradient through a random draw whose log-density has scale ``c``."""
         a = c * (1 - self.alpha)
-        return 1 - a + a * w
+        return w if not torch.is_tensor(a) and a == 1 else 1 - a + a * w
 
     def _param_factor(self, w: torch.Tensor):
         """Factor on a path that reaches a parameter through no random draw (a Delta's value)."""
@@ -387,13 +402,14 @@ class TraceDReG_ELBO(RoutedELBO):
         model_sites = {n: s for n, s in model_trace.nodes.items() if s["type"] == "sample"}
         guide_sites = {n: s for n, s in guide_trace.nodes.items() if s["type"] == "sample"}
         sites = [*model_sites.values(), *guide_sites.values()]
-        sum_dims = get_dependent_plate_dims(sites)
+        sum_dims = _dependent_plate_dims(sites)
         outer = common_plate_scale(sites)
         log_w = sum(_sum_dependent(s["log_prob"].detach(), sum_dims) for s in model_sites.values())
         log_w = log_w - sum(
             _sum_dependent(s["log_prob"].detach(), sum_dims) for s in guide_sites.values()
         )
-        return torch.as_tensor(log_w) / outer, outer, model_sites, guide_sites
+        log_w = torch.as_tensor(log_w)
+        return log_w if outer == 1 else log_w / outer, outer, model_sites, guide_sites
 
     def _weighted_terms(self, pairs) -> tuple[float, Terms]:
         """The bound and the surrogate terms of the particles in ``pairs``: one trace pair
@@ -410,10 +426,10 @@ class TraceDReG_ELBO(RoutedELBO):
             log_w = torch.stack(torch.broadcast_tensors(*(p[0] for p in parts)))
         K, beta = self.num_particles, 1 - self.alpha
         if K > 1:
-            elbo = (
-                outer * ((torch.logsumexp(beta * log_w, dim=0) - math.log(K)) / beta).sum().item()
-            )
-            w = torch.softmax(beta * log_w, dim=0)
+            bl = log_w if beta == 1 else beta * log_w
+            lse = torch.logsumexp(bl, dim=0) - math.log(K)
+            elbo = outer * (lse if beta == 1 else lse / beta).sum().item()
+            w = torch.softmax(bl, dim=0)
         else:
             elbo = outer * log_w.sum().item()
             w = torch.ones_like(log_w)
