@@ -100,7 +100,7 @@ class _Pathwise(torch.autograd.Function):
         # one product when no item that reads upstream samples has a full seed (STL): the
         # seeds to its value and to the samples it reads are then the same
         merged = all(g_full[i] is None for i, it in enumerate(items) if it.ups)
-        v_outs, v_seeds, vs, slots = [], [], [], []  # one input per distinct v
+        v_outs, v_seeds, vs, slots, v_ids = [], [], [], [], set()  # one input per distinct v
         u_outs, u_seeds, wanted = [], [], {}
         for i, it in enumerate(items):
             in_v = False
@@ -114,7 +114,8 @@ class _Pathwise(torch.autograd.Function):
                     in_v = True
                     v_outs.append(it.lp)
                     v_seeds.append(s)
-                    if not any(w is it.v for w in vs):
+                    if id(it.v) not in v_ids:
+                        v_ids.add(id(it.v))
                         vs.append(it.v)
                         slots.append(it.slot)
             if it.ups and g_path[i] is not None:
@@ -456,13 +457,13 @@ def split_score_parts(items, on_error=None, cut: bool = False, names=None):
                 raise
             raise ValueError(f"Error while computing log_prob at site '{names[i]}':\n{e}") from e
         g_flow, score = (None, parts.log_prob) if flow is None else flow
-        results[i] = (parts, ScoreParts(*map(_stop, parts)), score)
         distinct: dict[str, str] = {}  # part name -> the first name holding the same tensor
-        for name in _NAMES:
-            t = getattr(parts, name)
-            if torch.is_tensor(t) and t.requires_grad and grad_mode:
-                distinct[name] = next((n for n in distinct if getattr(parts, n) is t), name)
+        if grad_mode:
+            for name, t in zip(_NAMES, parts):
+                if torch.is_tensor(t) and t.requires_grad:
+                    distinct[name] = next((n for n in distinct if getattr(parts, n) is t), name)
         if not distinct:  # nothing to differentiate: the evaluation is the split
+            results[i] = (parts, ScoreParts(*map(_stop, parts)), score)
             continue
         ups_here: list[int] = []
         if upstream:
@@ -479,6 +480,7 @@ def split_score_parts(items, on_error=None, cut: bool = False, names=None):
                 ups_here.append(k)
         value_path = target.requires_grad if g_flow is not None else v.requires_grad
         if not (value_path or ups_here):
+            results[i] = (parts, ScoreParts(*map(_stop, parts)), score)
             continue
         targets.append(target)
         for name, first in distinct.items():
@@ -517,8 +519,7 @@ def split_score_parts(items, on_error=None, cut: bool = False, names=None):
                 split_of[name] = outs[2 * n], outs[2 * n + 1]
                 n += 1
         full, path = [], []
-        for name in _NAMES:
-            t = getattr(parts, name)
+        for name, t in zip(_NAMES, parts):
             f, p = split_of[distinct[name]] if name in distinct else (t, _stop(t))
             full.append(f)
             path.append(p)
