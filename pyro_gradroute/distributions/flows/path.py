@@ -290,25 +290,10 @@ def supported(fn: TransformedDistribution) -> bool:
     return k > 0 and all(flow_rule(t) is not None for t in leaves[:k])
 
 
-class _Anchor(torch.autograd.Function):
-    """Identity whose output requires grad: a graph to VJP through from a sample with no parameters."""
-
-    @staticmethod
-    def forward(ctx, x, dummy):  # type: ignore[override]
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
-        return None, None
-
-
 def forward_path(fn: TransformedDistribution, sample_shape=_EMPTY) -> FlowPath:
-    """``fn.rsample(sample_shape)``, recording the path (the same operations); a base sample
-    without a graph passes an identity node (:class:`_Anchor`) for the first layer's VJPs."""
-    x = fn.base_dist.rsample(sample_shape)
-    if not x.requires_grad and torch.is_grad_enabled():
-        x = _Anchor.apply(x, x.new_zeros(()).requires_grad_())
-    xs = [x]
+    """``fn.rsample(sample_shape)``, recording the path (the same operations, the same graph: a
+    layer whose input has no graph is re-evaluated at it only where a rule asks for a VJP)."""
+    xs = [fn.base_dist.rsample(sample_shape)]
     for t in _flatten(fn.transforms):
         xs.append(t(xs[-1]))
     _set_compose_caches(fn.transforms, xs, 0)
