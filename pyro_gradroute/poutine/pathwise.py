@@ -60,11 +60,12 @@ def _delta_error(name: str) -> DeltaDensityError:
     )
 
 
-def site_pathwise(name: str, fn, value: torch.Tensor, earlier: list, nodes: dict):
+def site_pathwise(name: str, fn, value: torch.Tensor, earlier: list, nodes: dict, preimage=None):
     """The pathwise :class:`~pyro.distributions.score_parts.ScoreParts` of one site with a random draw (unscaled).
 
-    ``earlier``: the samples drawn before this one; ``nodes``: their autograd nodes ->
-    index. Returns the parts (detached copy, forward-carried flow rule, or the two JIT
+    ``earlier``: the samples drawn before this one; ``nodes``: the run's samples' autograd
+    nodes -> index; ``preimage``: what the handler recorded when it drew the sample (a
+    flow's path). Returns the parts (detached copy, forward-carried flow rule, or the two JIT
     evaluations), or for a site the split node evaluates with the run's others a plain tuple:
     the indices of the earlier samples it may read. Raises ``NotImplementedError`` for a conditional site under the JIT.
     """
@@ -82,7 +83,7 @@ def site_pathwise(name: str, fn, value: torch.Tensor, earlier: list, nodes: dict
             raise _conditional_under_jit(name)
         return tuple(ups)
     if not tracing:
-        parts = _flow_pathwise(name, fn, value, nodes)
+        parts = _flow_pathwise(name, fn, value, earlier, nodes, preimage)
         if parts is not None:
             return parts
     if tracing:
@@ -115,20 +116,24 @@ def _conditional_under_jit(name: str) -> NotImplementedError:
     )
 
 
-def _flow_pathwise(name: str, fn, value: torch.Tensor, nodes: dict) -> ScoreParts | None:
+def _flow_pathwise(
+    name: str, fn, value: torch.Tensor, earlier: list, nodes: dict, path=None
+) -> ScoreParts | None:
     r"""The pathwise parts of an unconditional flow site whose transforms have forward rules
-    (:mod:`~pyro_gradroute.distributions.flows`), from the path in their caches (no node);
-    ``None`` for any other flow (the split node evaluates it)."""
-    flat = flatten_transformed(fn)
-    if not _flow_candidate(flat):
-        return None
-    path = flows.cached_path(flat, value)
-    if path is None:
-        return None
-    if nodes and torch.is_grad_enabled():  # a conditional flow: what its density reads
-        if value.grad_fn in nodes:  # the site's own sample
-            nodes = {n: i for n, i in nodes.items() if n is not value.grad_fn}
-        if reached_nodes([path.log_prob(), value], nodes):
+    (:mod:`~pyro_gradroute.distributions.flows`), from its drawn ``path``
+    (:class:`~pyro_gradroute.distributions.flows.FlowPath`) or the path in the transforms'
+    caches (no node); ``None`` for any other flow (the split node evaluates it)."""
+    drawn = isinstance(path, flows.FlowPath) and path.value is value
+    if not (drawn and flows.caches_hold(path)):  # (else: the path in the caches, if any)
+        flat = flatten_transformed(fn)
+        if not _flow_candidate(flat):
+            return None
+        path = flows.cached_path(flat, value)
+        if path is None:
+            return None
+    if earlier and torch.is_grad_enabled():  # a conditional flow: what its density reads
+        stops = {n: i for n, i in nodes.items() if i < len(earlier)}  # (drawn before it)
+        if reached_nodes([path.log_prob(), value], stops):
             return None
     try:
         lp = flows.pathwise_log_prob(path)
@@ -220,7 +225,7 @@ def evaluate_run(sites: list[RunSite], earlier: list, nodes: dict, fallback=None
         if s.owner is not None:  # a structured guide's Delta: evaluated through its map
             owners[id(s.owner)] = s.owner
             continue
-        out = site_pathwise(s.name, s.fn, s.value, earlier[: s.index], nodes)
+        out = site_pathwise(s.name, s.fn, s.value, earlier[: s.index], nodes, s.preimage)
         if type(out) is tuple:
             items.append((s, out))
         else:

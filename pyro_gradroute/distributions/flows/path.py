@@ -324,6 +324,16 @@ def cached_path(fn: TransformedDistribution, value: torch.Tensor) -> FlowPath | 
     return FlowPath(fn, xs[::-1], _split_index(leaves))
 
 
+def caches_hold(path: FlowPath) -> bool:
+    """Whether the transforms' caches still hold ``path`` (what :func:`cached_path` recovers:
+    no later call of a shared transform has replaced it)."""
+    for t, x, y in zip(path.leaves, path.xs, path.xs[1:]):
+        cache = transform_cache(t.base_transform if isinstance(t, TT.IndependentTransform) else t)
+        if cache is None or cache[0] is not x or cache[1] is not y:
+            return False
+    return True
+
+
 def flow_grad(fn: TransformedDistribution, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     r"""``(y, g_y)``: the sample :math:`y = T(x)` and :math:`\nabla_y \log q(y)`, carried forward.
 
