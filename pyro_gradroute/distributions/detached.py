@@ -71,7 +71,9 @@ def _plain_signature(fn: Distribution) -> tuple | None:
     sig: list = []
     while True:
         cls = type(fn)
-        k = _kind(cls)
+        k = _KIND.get(cls)
+        if k is None:
+            k = _kind(cls)
         sig.append(cls)
         if k & _OWN_PARTS:
             return None
@@ -112,7 +114,8 @@ def _copy(fn: Distribution, params: list) -> Distribution:
         elif isinstance(v, Distribution):
             state[k] = _copy(v, params)
     cls = type(fn)
-    if _dict_copy(cls):
+    ok = _DICT_COPY.get(cls)
+    if ok or (ok is None and _dict_copy(cls)):
         new = cls.__new__(cls)
         new.__dict__ = state
     else:
@@ -206,7 +209,9 @@ def _transform_caches(fn: Distribution) -> list:
 def delta_base(fn: Distribution):
     """The :class:`~pyro.distributions.Delta` inside ``fn`` (unwrapping ``Independent``, ``expand``, ``mask``), or None."""
     while True:
-        k = _kind(type(fn))
+        k = _KIND.get(type(fn))
+        if k is None:
+            k = _kind(type(fn))
         if not k & _WRAP:
             return fn if k & _DELTA else None
         fn = fn.base_dist

@@ -39,14 +39,10 @@ class DeltaDensityError(ValueError):
 
 
 class PathwiseParts(ScoreParts):
-    """The pathwise parts of a site, as ``score_parts`` (``conditional``: it reads earlier samples)."""
+    """The pathwise parts of a site, as ``score_parts`` (``conditional``: it reads earlier
+    samples; the record's unscaled parts keep it, scaled ones are Pyro's ``ScoreParts``)."""
 
     conditional: bool = True
-
-    def scale_and_mask(self, scale=1.0, mask=None) -> PathwiseParts:
-        out = PathwiseParts(*super().scale_and_mask(scale, mask))
-        out.conditional = self.conditional
-        return out
 
 
 def _delta_error(name: str) -> DeltaDensityError:
@@ -60,16 +56,19 @@ def _delta_error(name: str) -> DeltaDensityError:
     )
 
 
-def site_pathwise(name: str, fn, value: torch.Tensor, earlier: list, nodes: dict, preimage=None):
+def site_pathwise(
+    name: str, fn, value: torch.Tensor, earlier: list, nodes: dict, preimage=None, tracing=None
+):
     """The pathwise :class:`~pyro.distributions.score_parts.ScoreParts` of one site with a random draw (unscaled).
 
     ``earlier``: the samples drawn before this one; ``nodes``: the run's samples' autograd
     nodes -> index; ``preimage``: what the handler recorded when it drew the sample (a
-    flow's path). Returns the parts (detached copy, forward-carried flow rule, or the two JIT
+    flow's path); ``tracing``: ``torch.jit.is_tracing()`` (computed where not given). Returns the parts (detached copy, forward-carried flow rule, or the two JIT
     evaluations), or for a site the split node evaluates with the run's others a plain tuple:
     the indices of the earlier samples it may read. Raises ``NotImplementedError`` for a conditional site under the JIT.
     """
-    tracing = torch.jit.is_tracing()
+    if tracing is None:
+        tracing = torch.jit.is_tracing()
     params: list[torch.Tensor] = []
     copy = detached_copy(fn, value, params)  # None where fn is not a plain family
     if copy is not None:
@@ -221,11 +220,12 @@ def evaluate_run(sites: list[RunSite], earlier: list, nodes: dict, fallback=None
     """
     items: list[tuple[RunSite, tuple]] = []  # (site, upstream indices)
     owners: dict[int, object] = {}
+    tracing = torch.jit.is_tracing()
     for s in sites:
         if s.owner is not None:  # a structured guide's Delta: evaluated through its map
             owners[id(s.owner)] = s.owner
             continue
-        out = site_pathwise(s.name, s.fn, s.value, earlier[: s.index], nodes, s.preimage)
+        out = site_pathwise(s.name, s.fn, s.value, earlier[: s.index], nodes, s.preimage, tracing)
         if type(out) is tuple:
             items.append((s, out))
         else:
