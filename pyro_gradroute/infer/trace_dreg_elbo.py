@@ -74,28 +74,27 @@ def _sum_dependent(t: torch.Tensor, dims) -> torch.Tensor:
     return t.sum(dims, keepdim=True) if dims else t
 
 
-def _dependent_plate_dims(sites) -> list[int]:
-    """Pyro's ``get_dependent_plate_dims``: the dims of the plates not common to all ``sites``
-    (frames compared as Pyro compares them, each key computed once)."""
-    frames, stacks = {}, []
+def _plates(sites) -> tuple[list[int], float]:
+    """``(sum_dims, outer)``: Pyro's ``get_dependent_plate_dims`` (the dims of the plates not
+    common to all ``sites``, frames compared as Pyro compares them) and the subsampling scale
+    ``N / b`` of the vectorized plates (by name) that hold every site (1 without subsampling)."""
+    frames, keyed, named = {}, [], []
     for s in sites:
-        keys = set()
+        keys, names = set(), {}
         for f in s["cond_indep_stack"]:
             size = f.size.item() if torch.is_tensor(f.size) else f.size
             key = (f.name, f.dim, size, f.counter)
             frames[key] = f
             keys.add(key)
-        stacks.append(keys)
-    common = set(frames).intersection(*stacks)
-    return sorted({f.dim for k, f in frames.items() if k not in common and f.dim is not None})
-
-
-def common_plate_scale(sites) -> float:
-    """The subsampling scale ``N / b`` of the plates that hold every site (1 without subsampling)."""
-    stacks = [{f.name: f for f in s["cond_indep_stack"] if f.vectorized} for s in sites]
-    common = [stacks[0][n] for n in set(stacks[0]).intersection(*stacks[1:])] if stacks else []
-    scales = (f.full_size / f.size for f in common if f.full_size not in (None, f.size))
-    return math.prod(scales, start=1.0)
+            if f.dim is not None:
+                names[f.name] = f
+        keyed.append(keys)
+        named.append(names)
+    common = set(frames).intersection(*keyed)
+    sum_dims = sorted({f.dim for k, f in frames.items() if k not in common and f.dim is not None})
+    shared = [named[0][n] for n in set(named[0]).intersection(*named[1:])] if named else []
+    scales = (f.full_size / f.size for f in shared if f.full_size not in (None, f.size))
+    return sum_dims, math.prod(scales, start=1.0)
 
 
 def _inner_scale(site, outer: float):
@@ -402,12 +401,12 @@ class TraceDReG_ELBO(RoutedELBO):
         model_sites = {n: s for n, s in model_trace.nodes.items() if s["type"] == "sample"}
         guide_sites = {n: s for n, s in guide_trace.nodes.items() if s["type"] == "sample"}
         sites = [*model_sites.values(), *guide_sites.values()]
-        sum_dims = _dependent_plate_dims(sites)
-        outer = common_plate_scale(sites)
-        log_w = sum(_sum_dependent(s["log_prob"].detach(), sum_dims) for s in model_sites.values())
-        log_w = log_w - sum(
-            _sum_dependent(s["log_prob"].detach(), sum_dims) for s in guide_sites.values()
-        )
+        sum_dims, outer = _plates(sites)
+        m = [_sum_dependent(s["log_prob"].detach(), sum_dims) for s in model_sites.values()]
+        g = [_sum_dependent(s["log_prob"].detach(), sum_dims) for s in guide_sites.values()]
+        log_w = sum(m[1:], m[0]) if m else 0  # (no 0 + ... op)
+        if g:
+            log_w = log_w - sum(g[1:], g[0])
         log_w = torch.as_tensor(log_w)
         return log_w if outer == 1 else log_w / outer, outer, model_sites, guide_sites
 
