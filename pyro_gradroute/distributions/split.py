@@ -93,9 +93,9 @@ class _Pathwise(torch.autograd.Function):
                 "fn.log_prob(value) itself, support higher derivatives; the package's "
                 "Trace_ELBO (which does not split) does too."
             )
-        items, ups, targets, cut = ctx.meta
+        items, ups, shared, cut = ctx.meta
         g_full, g_path = grads[0::2], grads[1::2]
-        g_targets: list = [None] * len(targets)
+        g_targets: list = [None] * len(shared)
         g_ups: list = [None] * len(ups)
         # one product when no item that reads upstream samples has a full seed (STL): the
         # seeds to its value and to the samples it reads are then the same
@@ -147,7 +147,10 @@ class _Pathwise(torch.autograd.Function):
                 g_targets[k] = _add(g_targets[k], g)
             for k, g in zip(u_in, gs[len(v_in) :]):
                 g_ups[k] = g
-        return (None, *g_ups, *g_full, *g_targets)
+        for j, k in enumerate(shared):  # a target that is an upstream tensor: one input
+            if k is not None:
+                g_ups[k] = _add(g_ups[k], g_targets[j])
+        return (None, *g_ups, *g_full, *(g for g, k in zip(g_targets, shared) if k is None))
 
 
 @contextlib.contextmanager
@@ -507,8 +510,11 @@ def split_score_parts(items, on_error=None, cut: bool = False, names=None):
         ]
         ups_list = [strip(u) for u in ups_list]
         targets = [strip(t) for t in targets]
-    meta = (node_items, ups_list, targets, cut)
-    outs = _Pathwise.apply(meta, *ups_list, *(it.lp for it in node_items), *targets)
+    up_index = {id(u): k for k, u in enumerate(ups_list)}
+    shared = [up_index.get(id(t)) for t in targets]  # (a chain's samples are both)
+    meta = (node_items, ups_list, shared, cut)
+    own = (t for t, k in zip(targets, shared) if k is None)
+    outs = _Pathwise.apply(meta, *ups_list, *(it.lp for it in node_items), *own)
     if tracked:
         outs = [track_provenance(t, provenance[n // 2]) for n, t in enumerate(outs)]
     n = 0
