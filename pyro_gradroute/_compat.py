@@ -21,10 +21,12 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 
 import pyro
 import torch
+from pyro.infer.elbo import ELBO
 from pyro.nn import PyroModule
 from pyro.poutine.subsample_messenger import _Subsample
 from torch.distributions.utils import _sum_rightmost
@@ -82,10 +84,6 @@ def calling_elbo(depth: int | None = None):
     that many frames (``None``: the whole stack, so that no number of handlers around the
     guide hides the estimator; the walk stops at the first ELBO found).
     """
-    import sys
-
-    from pyro.infer.elbo import ELBO
-
     frame = sys._getframe(2)
     n = 0
     while frame is not None and (depth is None or n < depth):
@@ -138,8 +136,6 @@ def tensor_backward_hooks(t: torch.Tensor) -> dict | None:
 
 def find_frame(codes: dict, depth: int = 48):
     """``(frame, value)`` of the innermost caller frame whose code object is a key of ``codes``."""
-    import sys
-
     frame = sys._getframe(2)
     for _ in range(depth):
         if frame is None:

@@ -71,7 +71,9 @@ def _plain_signature(fn: Distribution) -> tuple | None:
     sig: list = []
     while True:
         cls = type(fn)
-        k = _kind(cls)
+        k = _KIND.get(cls)
+        if k is None:
+            k = _kind(cls)
         sig.append(cls)
         if k & _OWN_PARTS:
             return None
@@ -112,7 +114,8 @@ def _copy(fn: Distribution, params: list) -> Distribution:
         elif isinstance(v, Distribution):
             state[k] = _copy(v, params)
     cls = type(fn)
-    if _dict_copy(cls):
+    ok = _DICT_COPY.get(cls)
+    if ok or (ok is None and _dict_copy(cls)):
         new = cls.__new__(cls)
         new.__dict__ = state
     else:
@@ -206,7 +209,9 @@ def _transform_caches(fn: Distribution) -> list:
 def delta_base(fn: Distribution):
     """The :class:`~pyro.distributions.Delta` inside ``fn`` (unwrapping ``Independent``, ``expand``, ``mask``), or None."""
     while True:
-        k = _kind(type(fn))
+        k = _KIND.get(type(fn))
+        if k is None:
+            k = _kind(type(fn))
         if not k & _WRAP:
             return fn if k & _DELTA else None
         fn = fn.base_dist
@@ -230,11 +235,12 @@ def density_reads_parameters(delta: Delta, nodes: dict) -> bool:
     return reaches_leaf_directly(ld, stop_nodes=nodes)
 
 
-def short_walk(roots: list, stops, limit: int = 32) -> tuple[bool, bool] | None:
-    """``(reaches a stop, reaches a leaf)``: the graph below the autograd nodes ``roots``, each
-    path ending at a node in ``stops``; None past ``limit`` nodes (the graph walkers of
-    :mod:`~pyro_gradroute.routing` then decide). Decides a guide's plain sites without them."""
-    stack, stop, leaf = list(roots), False, False
+def short_walk(roots: list, stops: dict, limit: int = 32) -> tuple[set, bool] | None:
+    """``(stops reached, reaches a leaf)``: the graph below the autograd nodes ``roots``, each
+    path ending at a node in ``stops`` (node -> index; the indices of those reached are
+    returned); None past ``limit`` nodes (the graph walkers of :mod:`~pyro_gradroute.routing`
+    then decide). Decides a guide's plain sites without them."""
+    stack, hits, leaf = list(roots), set(), False
     while stack:
         limit -= 1
         if limit < 0:
@@ -244,8 +250,9 @@ def short_walk(roots: list, stops, limit: int = 32) -> tuple[bool, bool] | None:
         for f, _ in nexts:
             if f is None:
                 continue
-            if f in stops:
-                stop = True
+            i = stops.get(f)
+            if i is not None:
+                hits.add(i)
             else:
                 stack.append(f)
-    return stop, leaf
+    return hits, leaf

@@ -20,7 +20,12 @@ from pyro.distributions import Independent as PyroIndependent
 from pyro.distributions.score_parts import ScoreParts
 from pyro.distributions.torch_distribution import TorchDistributionMixin
 from pyro.distributions.util import scale_and_mask
-from pyro.ops.provenance import detach_provenance, get_provenance, track_provenance
+from pyro.ops.provenance import (
+    ProvenanceTensor,
+    detach_provenance,
+    get_provenance,
+    track_provenance,
+)
 from torch.distributions import Distribution, Independent, TransformedDistribution
 from torch.distributions.transforms import ComposeTransform, IndependentTransform
 
@@ -88,14 +93,14 @@ class _Pathwise(torch.autograd.Function):
                 "fn.log_prob(value) itself, support higher derivatives; the package's "
                 "Trace_ELBO (which does not split) does too."
             )
-        items, ups, targets, cut = ctx.meta
+        items, ups, shared, cut = ctx.meta
         g_full, g_path = grads[0::2], grads[1::2]
-        g_targets: list = [None] * len(targets)
+        g_targets: list = [None] * len(shared)
         g_ups: list = [None] * len(ups)
         # one product when no item that reads upstream samples has a full seed (STL): the
         # seeds to its value and to the samples it reads are then the same
         merged = all(g_full[i] is None for i, it in enumerate(items) if it.ups)
-        v_outs, v_seeds, vs, slots = [], [], [], []  # one input per distinct v
+        v_outs, v_seeds, vs, slots, v_ids = [], [], [], [], set()  # one input per distinct v
         u_outs, u_seeds, wanted = [], [], {}
         for i, it in enumerate(items):
             in_v = False
@@ -109,7 +114,8 @@ class _Pathwise(torch.autograd.Function):
                     in_v = True
                     v_outs.append(it.lp)
                     v_seeds.append(s)
-                    if not any(w is it.v for w in vs):
+                    if id(it.v) not in v_ids:
+                        v_ids.add(id(it.v))
                         vs.append(it.v)
                         slots.append(it.slot)
             if it.ups and g_path[i] is not None:
@@ -141,7 +147,10 @@ class _Pathwise(torch.autograd.Function):
                 g_targets[k] = _add(g_targets[k], g)
             for k, g in zip(u_in, gs[len(v_in) :]):
                 g_ups[k] = g
-        return (None, *g_ups, *g_full, *g_targets)
+        for j, k in enumerate(shared):  # a target that is an upstream tensor: one input
+            if k is not None:
+                g_ups[k] = _add(g_ups[k], g_targets[j])
+        return (None, *g_ups, *g_full, *(g for g, k in zip(g_targets, shared) if k is None))
 
 
 @contextlib.contextmanager
@@ -451,13 +460,13 @@ def split_score_parts(items, on_error=None, cut: bool = False, names=None):
                 raise
             raise ValueError(f"Error while computing log_prob at site '{names[i]}':\n{e}") from e
         g_flow, score = (None, parts.log_prob) if flow is None else flow
-        results[i] = (parts, ScoreParts(*map(_stop, parts)), score)
         distinct: dict[str, str] = {}  # part name -> the first name holding the same tensor
-        for name in _NAMES:
-            t = getattr(parts, name)
-            if torch.is_tensor(t) and t.requires_grad and grad_mode:
-                distinct[name] = next((n for n in distinct if getattr(parts, n) is t), name)
+        if grad_mode:
+            for name, t in zip(_NAMES, parts):
+                if torch.is_tensor(t) and t.requires_grad:
+                    distinct[name] = next((n for n in distinct if getattr(parts, n) is t), name)
         if not distinct:  # nothing to differentiate: the evaluation is the split
+            results[i] = (parts, ScoreParts(*map(_stop, parts)), score)
             continue
         ups_here: list[int] = []
         if upstream:
@@ -474,6 +483,7 @@ def split_score_parts(items, on_error=None, cut: bool = False, names=None):
                 ups_here.append(k)
         value_path = target.requires_grad if g_flow is not None else v.requires_grad
         if not (value_path or ups_here):
+            results[i] = (parts, ScoreParts(*map(_stop, parts)), score)
             continue
         targets.append(target)
         for name, first in distinct.items():
@@ -487,16 +497,26 @@ def split_score_parts(items, on_error=None, cut: bool = False, names=None):
     if len(ups_list) > 1 and not cut:
         _check_independent(ups_list)
     # TraceGraph_ELBO's provenance tracking: stripped for the node, put back on its outputs
-    provenance = [get_provenance(it.lp) for it in node_items]
-    strip = detach_provenance
-    node_items = [
-        it._replace(target=strip(it.target), v=strip(it.v), lp=strip(it.lp)) for it in node_items
-    ]
-    ups_list = [strip(u) for u in ups_list]
-    targets = [strip(t) for t in targets]
-    meta = (node_items, ups_list, targets, cut)
-    outs = _Pathwise.apply(meta, *ups_list, *(it.lp for it in node_items), *targets)
-    outs = [track_provenance(t, provenance[n // 2]) for n, t in enumerate(outs)]
+    tracked = any(
+        isinstance(t, ProvenanceTensor)
+        for t in (*ups_list, *targets, *(x for it in node_items for x in (it.v, it.lp)))
+    )
+    if tracked:
+        provenance = [get_provenance(it.lp) for it in node_items]
+        strip = detach_provenance
+        node_items = [
+            it._replace(target=strip(it.target), v=strip(it.v), lp=strip(it.lp))
+            for it in node_items
+        ]
+        ups_list = [strip(u) for u in ups_list]
+        targets = [strip(t) for t in targets]
+    up_index = {id(u): k for k, u in enumerate(ups_list)}
+    shared = [up_index.get(id(t)) for t in targets]  # (a chain's samples are both)
+    meta = (node_items, ups_list, shared, cut)
+    own = (t for t, k in zip(targets, shared) if k is None)
+    outs = _Pathwise.apply(meta, *ups_list, *(it.lp for it in node_items), *own)
+    if tracked:
+        outs = [track_provenance(t, provenance[n // 2]) for n, t in enumerate(outs)]
     n = 0
     for i, parts, distinct, score in pending:
         split_of = {}
@@ -505,8 +525,7 @@ def split_score_parts(items, on_error=None, cut: bool = False, names=None):
                 split_of[name] = outs[2 * n], outs[2 * n + 1]
                 n += 1
         full, path = [], []
-        for name in _NAMES:
-            t = getattr(parts, name)
+        for name, t in zip(_NAMES, parts):
             f, p = split_of[distinct[name]] if name in distinct else (t, _stop(t))
             full.append(f)
             path.append(p)

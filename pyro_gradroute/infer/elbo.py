@@ -26,7 +26,7 @@ from .._validation import check_int
 from ..poutine.block_grad_messenger import SPECS_KEY, GatedDistribution, collect_blocks
 from ..poutine.stick_the_landing_messenger import PathwiseDistribution
 
-__all__ = ["RoutedELBO", "collect_blocks", "get_split_importance_trace"]
+__all__ = ["RoutedELBO", "collect_blocks", "get_split_importance_trace", "name_nan"]
 
 Terms = dict[Hashable, torch.Tensor]
 
@@ -55,22 +55,25 @@ def _joint_blocks(terms: Terms, blocks: dict) -> dict:
     return {**blocks, **joint} if joint else blocks
 
 
-def _check_finite(trace: poutine.Trace, role: str) -> None:
-    """Raise, naming the site, if a log-density in ``trace`` is NaN (one check when none is)."""
-    total, sites = 0.0, []
-    for site in trace.nodes.values():
-        if site["type"] == "sample":
-            total = total + site["log_prob_sum"]
-            sites.append(site)
-    if not sites or not torch.isnan(total):
+def name_nan(guide_trace: poutine.Trace, model_trace: poutine.Trace | None = None) -> None:
+    """Raise, naming the site (a guide site first), if a log-density in the traces is NaN.
+
+    Called where a particle's float ELBO is NaN (which a NaN log-density makes it), or where
+    the model's log-densities failed (a NaN guide sample is outside a model site's support),
+    so that a step without a NaN checks nothing; with Pyro's validation only, as its other
+    checks.
+    """
+    if not is_validation_enabled():
         return
-    site = next(s for s in sites if torch.isnan(s["log_prob_sum"]))
-    raise ValueError(
-        f"NaN log-density at {role} site '{site['name']}' "
-        f"(distribution {type(site['fn']).__name__}). Check the site's parameters "
-        "(e.g. a scale that is not positive) and its value; use constrained params "
-        "(pyro.param(..., constraint=...)) for parameters with a restricted domain."
-    )
+    for role, trace in (("guide", guide_trace), ("model", model_trace)):
+        for site in trace.nodes.values() if trace is not None else ():
+            if site["type"] == "sample" and torch.isnan(site["log_prob_sum"]):
+                raise ValueError(
+                    f"NaN log-density at {role} site '{site['name']}' "
+                    f"(distribution {type(site['fn']).__name__}). Check the site's parameters "
+                    "(e.g. a scale that is not positive) and its value; use constrained params "
+                    "(pyro.param(..., constraint=...)) for parameters with a restricted domain."
+                )
 
 
 def refuse_model_enumeration(elbo, model_trace, guide_trace) -> None:
@@ -146,17 +149,18 @@ def get_split_importance_trace(
         for site in trace.nodes.values():
             if site["type"] == "sample" and type(site["fn"]) is GatedDistribution:
                 site[SPECS_KEY], site["fn"] = site["fn"].specs, site["fn"].base_dist
-    guide_trace.compute_score_parts()  # the guide first: a NaN there is named as such
+    guide_trace.compute_score_parts()
     if context is not None:  # the parts are computed: the sites hold their base distributions
         for site in guide_trace.nodes.values():
             if site["type"] == "sample" and type(site["fn"]) is PathwiseDistribution:
                 site[PATHWISE] = site["fn"]._site  # the site as the handler saw it
                 site["fn"] = site["fn"].base_dist
+    try:
+        model_trace.compute_log_prob()
+    except ValueError:  # (a NaN guide sample is outside the model site's support)
+        name_nan(guide_trace)
+        raise
     if validate:
-        _check_finite(guide_trace, "guide")
-    model_trace.compute_log_prob()
-    if validate:
-        _check_finite(model_trace, "model")
         for trace in (model_trace, guide_trace):
             for site in trace.nodes.values():
                 if site["type"] == "sample":
@@ -243,6 +247,8 @@ class RoutedELBO(ELBO):
                 elbo, terms = self._particle_terms(model_trace, guide_trace, blocks)
                 if blocks:
                     blocks = _joint_blocks(terms, blocks)
+            if elbo != elbo:  # NaN: a NaN log-density is named
+                name_nan(guide_trace, model_trace)
             extra = terms.pop(EXTRA, None)
             terms = {k: v for k, v in terms.items() if torch.is_tensor(v) and v.requires_grad}
             if n > 1:

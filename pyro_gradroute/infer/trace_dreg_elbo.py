@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 
 import torch
-from pyro.infer.util import get_dependent_plate_dims
 from pyro.poutine import Trace
 
 from .. import routing
@@ -27,6 +26,7 @@ from .elbo import (
     add_term,
     collect_blocks,
     get_split_importance_trace,
+    name_nan,
     pathwise_log_prob,
     refuse_model_enumeration,
 )
@@ -74,12 +74,27 @@ def _sum_dependent(t: torch.Tensor, dims) -> torch.Tensor:
     return t.sum(dims, keepdim=True) if dims else t
 
 
-def common_plate_scale(sites) -> float:
-    """The subsampling scale ``N / b`` of the plates that hold every site (1 without subsampling)."""
-    stacks = [{f.name: f for f in s["cond_indep_stack"] if f.vectorized} for s in sites]
-    common = [stacks[0][n] for n in set(stacks[0]).intersection(*stacks[1:])] if stacks else []
-    scales = (f.full_size / f.size for f in common if f.full_size not in (None, f.size))
-    return math.prod(scales, start=1.0)
+def _plates(sites) -> tuple[list[int], float]:
+    """``(sum_dims, outer)``: Pyro's ``get_dependent_plate_dims`` (the dims of the plates not
+    common to all ``sites``, frames compared as Pyro compares them) and the subsampling scale
+    ``N / b`` of the vectorized plates (by name) that hold every site (1 without subsampling)."""
+    frames, keyed, named = {}, [], []
+    for s in sites:
+        keys, names = set(), {}
+        for f in s["cond_indep_stack"]:
+            size = f.size.item() if torch.is_tensor(f.size) else f.size
+            key = (f.name, f.dim, size, f.counter)
+            frames[key] = f
+            keys.add(key)
+            if f.dim is not None:
+                names[f.name] = f
+        keyed.append(keys)
+        named.append(names)
+    common = set(frames).intersection(*keyed)
+    sum_dims = sorted({f.dim for k, f in frames.items() if k not in common and f.dim is not None})
+    shared = [named[0][n] for n in set(named[0]).intersection(*named[1:])] if named else []
+    scales = (f.full_size / f.size for f in shared if f.full_size not in (None, f.size))
+    return sum_dims, math.prod(scales, start=1.0)
 
 
 def _inner_scale(site, outer: float):
@@ -219,7 +234,7 @@ class TraceDReG_ELBO(RoutedELBO):
     def _draw_factor(self, w: torch.Tensor, c) -> torch.Tensor:
         """Factor on the gradient through a random draw whose log-density has scale ``c``."""
         a = c * (1 - self.alpha)
-        return 1 - a + a * w
+        return w if not torch.is_tensor(a) and a == 1 else 1 - a + a * w
 
     def _param_factor(self, w: torch.Tensor):
         """Factor on a path that reaches a parameter through no random draw (a Delta's value)."""
@@ -273,6 +288,9 @@ class TraceDReG_ELBO(RoutedELBO):
             for key, blocked in collect_blocks(model_trace, guide_trace).items():
                 blocks[key] = {**blocks.get(key, {}), **blocked}
         elbo, terms = self._weighted_terms(pairs)
+        if elbo != elbo:  # NaN: a NaN log-density is named
+            for model_trace, guide_trace in pairs:
+                name_nan(guide_trace, model_trace)
         blocks = _joint_blocks(terms, blocks)
         trainable = any(
             site["type"] == "param" for pair in pairs for t in pair for site in t.nodes.values()
@@ -383,13 +401,14 @@ class TraceDReG_ELBO(RoutedELBO):
         model_sites = {n: s for n, s in model_trace.nodes.items() if s["type"] == "sample"}
         guide_sites = {n: s for n, s in guide_trace.nodes.items() if s["type"] == "sample"}
         sites = [*model_sites.values(), *guide_sites.values()]
-        sum_dims = get_dependent_plate_dims(sites)
-        outer = common_plate_scale(sites)
-        log_w = sum(_sum_dependent(s["log_prob"].detach(), sum_dims) for s in model_sites.values())
-        log_w = log_w - sum(
-            _sum_dependent(s["log_prob"].detach(), sum_dims) for s in guide_sites.values()
-        )
-        return torch.as_tensor(log_w) / outer, outer, model_sites, guide_sites
+        sum_dims, outer = _plates(sites)
+        m = [_sum_dependent(s["log_prob"].detach(), sum_dims) for s in model_sites.values()]
+        g = [_sum_dependent(s["log_prob"].detach(), sum_dims) for s in guide_sites.values()]
+        log_w = sum(m[1:], m[0]) if m else 0  # (no 0 + ... op)
+        if g:
+            log_w = log_w - sum(g[1:], g[0])
+        log_w = torch.as_tensor(log_w)
+        return log_w if outer == 1 else log_w / outer, outer, model_sites, guide_sites
 
     def _weighted_terms(self, pairs) -> tuple[float, Terms]:
         """The bound and the surrogate terms of the particles in ``pairs``: one trace pair
@@ -406,10 +425,10 @@ class TraceDReG_ELBO(RoutedELBO):
             log_w = torch.stack(torch.broadcast_tensors(*(p[0] for p in parts)))
         K, beta = self.num_particles, 1 - self.alpha
         if K > 1:
-            elbo = (
-                outer * ((torch.logsumexp(beta * log_w, dim=0) - math.log(K)) / beta).sum().item()
-            )
-            w = torch.softmax(beta * log_w, dim=0)
+            bl = log_w if beta == 1 else beta * log_w
+            lse = torch.logsumexp(bl, dim=0) - math.log(K)
+            elbo = outer * (lse if beta == 1 else lse / beta).sum().item()
+            w = torch.softmax(bl, dim=0)
         else:
             elbo = outer * log_w.sum().item()
             w = torch.ones_like(log_w)

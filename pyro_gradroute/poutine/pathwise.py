@@ -39,14 +39,10 @@ class DeltaDensityError(ValueError):
 
 
 class PathwiseParts(ScoreParts):
-    """The pathwise parts of a site, as ``score_parts`` (``conditional``: it reads earlier samples)."""
+    """The pathwise parts of a site, as ``score_parts`` (``conditional``: it reads earlier
+    samples; the record's unscaled parts keep it, scaled ones are Pyro's ``ScoreParts``)."""
 
     conditional: bool = True
-
-    def scale_and_mask(self, scale=1.0, mask=None) -> PathwiseParts:
-        out = PathwiseParts(*super().scale_and_mask(scale, mask))
-        out.conditional = self.conditional
-        return out
 
 
 def _delta_error(name: str) -> DeltaDensityError:
@@ -60,19 +56,23 @@ def _delta_error(name: str) -> DeltaDensityError:
     )
 
 
-def site_pathwise(name: str, fn, value: torch.Tensor, earlier: list, nodes: dict):
+def site_pathwise(
+    name: str, fn, value: torch.Tensor, earlier: list, nodes: dict, preimage=None, tracing=None
+):
     """The pathwise :class:`~pyro.distributions.score_parts.ScoreParts` of one site with a random draw (unscaled).
 
-    ``earlier``: the samples drawn before this one; ``nodes``: their autograd nodes ->
-    index. Returns the parts (detached copy, forward-carried flow rule, or the two JIT
+    ``earlier``: the samples drawn before this one; ``nodes``: the run's samples' autograd
+    nodes -> index; ``preimage``: what the handler recorded when it drew the sample (a
+    flow's path); ``tracing``: ``torch.jit.is_tracing()`` (computed where not given). Returns the parts (detached copy, forward-carried flow rule, or the two JIT
     evaluations), or for a site the split node evaluates with the run's others a plain tuple:
     the indices of the earlier samples it may read. Raises ``NotImplementedError`` for a conditional site under the JIT.
     """
-    tracing = torch.jit.is_tracing()
+    if tracing is None:
+        tracing = torch.jit.is_tracing()
     params: list[torch.Tensor] = []
     copy = detached_copy(fn, value, params)  # None where fn is not a plain family
     if copy is not None:
-        ups = reached_nodes(params, nodes) if nodes and _reads_sample(params, nodes) else ()
+        ups = _upstream(params, nodes) if earlier else ()  # (a sample reads none drawn later)
         if not ups:
             lp = copy.log_prob(value)
             parts = PathwiseParts(lp, 0, lp)
@@ -82,7 +82,7 @@ def site_pathwise(name: str, fn, value: torch.Tensor, earlier: list, nodes: dict
             raise _conditional_under_jit(name)
         return tuple(ups)
     if not tracing:
-        parts = _flow_pathwise(name, fn, value, nodes)
+        parts = _flow_pathwise(name, fn, value, earlier, nodes, preimage)
         if parts is not None:
             return parts
     if tracing:
@@ -90,16 +90,20 @@ def site_pathwise(name: str, fn, value: torch.Tensor, earlier: list, nodes: dict
     return tuple(range(len(earlier)))
 
 
-def _reads_sample(params: list, nodes: dict) -> bool:
-    """Whether the parameters may read an earlier sample (then ``reached_nodes`` tells which)."""
-    roots = []
+def _upstream(params: list, nodes: dict) -> list:
+    """Indices (sorted) of the earlier samples (``nodes``: node -> index) the parameters read:
+    one bounded walk, routing's walker past its limit."""
+    hits, roots = set(), []
     for p in params:
-        if p.grad_fn is not None:
-            if p.grad_fn in nodes:
-                return True
-            roots.append(p.grad_fn)
+        node = p.grad_fn
+        if node is not None:
+            i = nodes.get(node)
+            if i is not None:
+                hits.add(i)
+            else:
+                roots.append(node)
     walk = short_walk(roots, nodes)
-    return walk is None or walk[0]
+    return reached_nodes(params, nodes) if walk is None else sorted(hits | walk[0])
 
 
 def _conditional_under_jit(name: str) -> NotImplementedError:
@@ -111,20 +115,24 @@ def _conditional_under_jit(name: str) -> NotImplementedError:
     )
 
 
-def _flow_pathwise(name: str, fn, value: torch.Tensor, nodes: dict) -> ScoreParts | None:
+def _flow_pathwise(
+    name: str, fn, value: torch.Tensor, earlier: list, nodes: dict, path=None
+) -> ScoreParts | None:
     r"""The pathwise parts of an unconditional flow site whose transforms have forward rules
-    (:mod:`~pyro_gradroute.distributions.flows`), from the path in their caches (no node);
-    ``None`` for any other flow (the split node evaluates it)."""
-    flat = flatten_transformed(fn)
-    if not _flow_candidate(flat):
-        return None
-    path = flows.cached_path(flat, value)
-    if path is None:
-        return None
-    if nodes and torch.is_grad_enabled():  # a conditional flow: what its density reads
-        if value.grad_fn in nodes:  # the site's own sample
-            nodes = {n: i for n, i in nodes.items() if n is not value.grad_fn}
-        if reached_nodes([path.log_prob(), value], nodes):
+    (:mod:`~pyro_gradroute.distributions.flows`), from its drawn ``path``
+    (:class:`~pyro_gradroute.distributions.flows.FlowPath`) or the path in the transforms'
+    caches (no node); ``None`` for any other flow (the split node evaluates it)."""
+    drawn = isinstance(path, flows.FlowPath) and path.value is value
+    if not (drawn and flows.caches_hold(path)):  # (else: the path in the caches, if any)
+        flat = flatten_transformed(fn)
+        if not _flow_candidate(flat):
+            return None
+        path = flows.cached_path(flat, value)
+        if path is None:
+            return None
+    if earlier and torch.is_grad_enabled():  # a conditional flow: what its density reads
+        stops = {n: i for n, i in nodes.items() if i < len(earlier)}  # (drawn before it)
+        if reached_nodes([path.log_prob(), value], stops):
             return None
     try:
         lp = flows.pathwise_log_prob(path)
@@ -212,11 +220,12 @@ def evaluate_run(sites: list[RunSite], earlier: list, nodes: dict, fallback=None
     """
     items: list[tuple[RunSite, tuple]] = []  # (site, upstream indices)
     owners: dict[int, object] = {}
+    tracing = torch.jit.is_tracing()
     for s in sites:
         if s.owner is not None:  # a structured guide's Delta: evaluated through its map
             owners[id(s.owner)] = s.owner
             continue
-        out = site_pathwise(s.name, s.fn, s.value, earlier[: s.index], nodes)
+        out = site_pathwise(s.name, s.fn, s.value, earlier[: s.index], nodes, s.preimage, tracing)
         if type(out) is tuple:
             items.append((s, out))
         else:

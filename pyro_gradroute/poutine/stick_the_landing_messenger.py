@@ -30,15 +30,24 @@ class PathwiseDistribution(WrappedDistribution):
     is asked for (:func:`~pyro_gradroute.poutine.pathwise.evaluate_run`).
     """
 
-    _own = ("base_dist", "_run", "_value", "_pre", "_site")
+    _own = ("base_dist", "_run", "_value", "_pre", "_site", "_path")
 
     @classmethod
-    def _wrap(cls, base_dist, run: _Run) -> PathwiseDistribution:
-        """``cls(base_dist, run)`` without the metaclass's call (one wrapper per site and step)."""
+    def _wrap(cls, base_dist, run: _Run, path: bool = True) -> PathwiseDistribution:
+        """``cls(base_dist, run)`` without the metaclass's call or ``Distribution.__init__``
+        (one wrapper per site and step); ``path``: the policy gives the site its pathwise part."""
         self = object.__new__(cls)
-        self.__dict__ = {"base_dist": base_dist, "_run": run, "_value": None, "_pre": None}
-        self._site = None
-        Distribution.__init__(self, base_dist.batch_shape, base_dist.event_shape, False)
+        self.__dict__ = {
+            "base_dist": base_dist,
+            "_run": run,
+            "_value": None,
+            "_pre": None,
+            "_site": None,
+            "_path": path,
+            "_batch_shape": base_dist.batch_shape,
+            "_event_shape": base_dist.event_shape,
+            "_validate_args": False,
+        }
         return self
 
     def __call__(self, sample_shape=_EMPTY):
@@ -60,7 +69,7 @@ class PathwiseDistribution(WrappedDistribution):
         return self._value
 
     def expand(self, batch_shape, _instance=None):
-        return PathwiseDistribution._wrap(self.base_dist.expand(batch_shape), self._run)
+        return PathwiseDistribution._wrap(self.base_dist.expand(batch_shape), self._run, self._path)
 
     def log_prob(self, value, *args, **kwargs):
         site = self._site
@@ -308,7 +317,7 @@ class StickTheLandingMessenger(Messenger):
         kind = type(base)
         if kind is PathwiseDistribution or kind is Subsample or msg["infer"].get("enumerate"):
             return
-        wrapped = PathwiseDistribution._wrap(base, run)
+        wrapped = PathwiseDistribution._wrap(base, run, self._policy.uses_pathwise(msg))
         msg["fn"] = GatedDistribution(wrapped, fn.specs) if gated else wrapped
 
     def _postprocess_message(self, msg) -> None:
@@ -320,12 +329,11 @@ class StickTheLandingMessenger(Messenger):
         if type(fn) is not PathwiseDistribution or fn._run is not run:
             return
         value, name, base = msg["value"], msg["name"], fn.base_dist
-        if outer is fn:
-            msg["fn"] = base  # (the policy reads the site with its own distribution)
-        if not self._policy.uses_pathwise(msg):  # the ordinary parts (Pyro's treatment)
+        if not fn._path:  # the ordinary parts (Pyro's treatment)
+            if outer is fn:
+                msg["fn"] = base
             run.add(value)
             return
-        msg["fn"] = outer
         if value is fn._value:  # keep (weakly) a sample this handler drew: Pyro's sequential
             drawn = self._drawn  # enumeration (poutine.queue) replays it in a later run
             if len(drawn) > 4096:  # forget the samples that are gone

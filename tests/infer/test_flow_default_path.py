@@ -429,7 +429,7 @@ def test_a_transform_cache_is_no_parameter_of_a_flow():
     assert flows.holds_params(AffineTransform(loc, 1.0))
     q = dist.TransformedDistribution(dist.Normal(loc, 1.0).to_event(1), [t])
     z = q.rsample()
-    assert _flow_pathwise("u", q, z, {}) is None  # (the detached copy takes it)
+    assert _flow_pathwise("u", q, z, [], {}) is None  # (the detached copy takes it)
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")  # Pyro's JIT tracer warnings

@@ -11,7 +11,7 @@ from pyro.infer import autoguide as ag
 from pyro.nn import PyroModule
 from torch.distributions import constraints
 
-from pyro_gradroute.infer import Trace_ELBO, TraceSTL_ELBO
+from pyro_gradroute.infer import Trace_ELBO, TraceDReG_ELBO, TraceSTL_ELBO
 from tests.conjugate import (
     GaussianModel,
     HierarchicalModel,
@@ -322,6 +322,36 @@ def test_nan_log_density_is_a_clear_error():
 
     with pytest.raises(ValueError, match="NaN log-density at guide site 'z'"):
         TraceSTL_ELBO().loss_and_grads(model, guide)
+
+
+@pytest.mark.parametrize(
+    "elbo",
+    [
+        TraceSTL_ELBO(),
+        Trace_ELBO(),
+        TraceDReG_ELBO(num_particles=2),
+        TraceDReG_ELBO(num_particles=2, vectorize_particles=False),
+    ],
+    ids=["stl", "trace", "dreg", "dreg-loop"],
+)
+@pytest.mark.parametrize("where", ["guide", "model"])
+def test_a_nan_log_density_is_named_from_the_elbo(elbo, where):
+    """A NaN log-density that no support check catches is named from the NaN ELBO (a guide
+    site first), by every estimator."""
+
+    def model():
+        scale = float("nan") if where == "model" else 1.0
+        z = pyro.sample("z", dist.Normal(0.0, 1.0, validate_args=False))
+        pyro.sample("x", dist.Normal(z, scale, validate_args=False), obs=torch.tensor(0.5))
+
+    def guide():
+        loc = pyro.param("loc", torch.tensor(0.0))
+        scale = -1.0 if where == "guide" else 1.0  # (a NaN density at a finite sample)
+        pyro.sample("z", dist.Normal(loc, scale, validate_args=False))
+
+    site = "guide site 'z'" if where == "guide" else "model site 'x'"
+    with pytest.raises(ValueError, match=f"NaN log-density at {site}"):
+        elbo.loss_and_grads(model, guide)
 
 
 def test_model_and_guide_run_once_per_particle(monkeypatch):

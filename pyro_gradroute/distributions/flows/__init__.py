@@ -33,6 +33,7 @@ Example (Planar layers have no inverse; the gradient is carried forward)::
 from .path import FlowLayer, FlowPath, flow_grad
 from .path import _flatten as _flatten
 from .path import cached_path as cached_path
+from .path import caches_hold as caches_hold
 from .path import forward_path as forward_path
 from .path import holds_params as holds_params
 from .path import normal_base_grad as normal_base_grad

@@ -290,25 +290,10 @@ def supported(fn: TransformedDistribution) -> bool:
     return k > 0 and all(flow_rule(t) is not None for t in leaves[:k])
 
 
-class _Anchor(torch.autograd.Function):
-    """Identity whose output requires grad: a graph to VJP through from a sample with no parameters."""
-
-    @staticmethod
-    def forward(ctx, x, dummy):  # type: ignore[override]
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
-        return None, None
-
-
 def forward_path(fn: TransformedDistribution, sample_shape=_EMPTY) -> FlowPath:
-    """``fn.rsample(sample_shape)``, recording the path (the same operations); a base sample
-    without a graph passes an identity node (:class:`_Anchor`) for the first layer's VJPs."""
-    x = fn.base_dist.rsample(sample_shape)
-    if not x.requires_grad and torch.is_grad_enabled():
-        x = _Anchor.apply(x, x.new_zeros(()).requires_grad_())
-    xs = [x]
+    """``fn.rsample(sample_shape)``, recording the path (the same operations, the same graph: a
+    layer whose input has no graph is re-evaluated at it only where a rule asks for a VJP)."""
+    xs = [fn.base_dist.rsample(sample_shape)]
     for t in _flatten(fn.transforms):
         xs.append(t(xs[-1]))
     _set_compose_caches(fn.transforms, xs, 0)
@@ -337,6 +322,16 @@ def cached_path(fn: TransformedDistribution, value: torch.Tensor) -> FlowPath | 
             return None
         xs.append(cx)
     return FlowPath(fn, xs[::-1], _split_index(leaves))
+
+
+def caches_hold(path: FlowPath) -> bool:
+    """Whether the transforms' caches still hold ``path`` (what :func:`cached_path` recovers:
+    no later call of a shared transform has replaced it)."""
+    for t, x, y in zip(path.leaves, path.xs, path.xs[1:]):
+        cache = transform_cache(t.base_transform if isinstance(t, TT.IndependentTransform) else t)
+        if cache is None or cache[0] is not x or cache[1] is not y:
+            return False
+    return True
 
 
 def flow_grad(fn: TransformedDistribution, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
