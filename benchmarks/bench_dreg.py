@@ -88,6 +88,8 @@ def vae_cost(K, batch_size, rounds):
     train, _ = load_binarized_digits()
     batch = train[:batch_size]
     steps = {}
+    pyro.clear_param_store()
+    vae = VAE()  # one network: both estimators step the parameters the param store holds
     for name, elbo in (
         (
             "IWAE",
@@ -95,7 +97,6 @@ def vae_cost(K, batch_size, rounds):
         ),
         ("DReG", TraceDReG_ELBO(num_particles=K, max_plate_nesting=1)),
     ):
-        vae = VAE()
         svi = SVI(vae.model, vae.guide, pyro.optim.Adam({"lr": 1e-3}), elbo)
         steps[name] = lambda svi=svi: svi.step(batch)
     t = time_interleaved(steps, rounds)
