@@ -1,7 +1,5 @@
-r"""``Trace_ELBO`` whose score part is added back with a weight learned from earlier steps:
-the estimators' two step functions (a measured step and a direct step) around
-:class:`~pyro_gradroute.infer.control_variate.ControlVariate` and
-:class:`~pyro_gradroute.infer.schedule.Schedule`."""
+"""The adaptive estimators' measured and direct steps, around :class:`.control_variate.ControlVariate`
+and :class:`.schedule.Schedule`."""
 
 from __future__ import annotations
 
