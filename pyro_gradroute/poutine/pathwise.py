@@ -144,12 +144,9 @@ def _flow_pathwise(
 
 
 def _traced(name: str, fn, value: torch.Tensor, earlier: list) -> ScoreParts:
-    """The pathwise parts as plain tensor operations, for programs traced by the JIT.
-
-    ``pathwise = log q(z) - log q(stop(z)) + stop(log q(stop(z)))``: the full gradient minus
-    the score part, the same first derivatives as the split node. The subtraction also
-    removes the path through earlier samples, so a conditional site raises.
-    """
+    """For programs traced by the JIT: ``log q(z) - log q(stop(z)) + stop(log q(stop(z)))``, the
+    split node's first derivatives; it drops the path through earlier samples (a conditional
+    site raises)."""
     full = fn.score_parts(value)
     v = value.detach()
     try:
@@ -269,15 +266,9 @@ def _structured(owner, sites: list[RunSite]) -> None:
 
 
 def _check_auxiliary_links(sites: list[RunSite], items, earlier, nodes) -> None:
-    """Raise if a site's density reads an auxiliary Delta whose value depends on parameters directly.
-
-    In ``w = sample("w", Delta(c + d * z0), infer={"is_auxiliary": True})`` read by
-    ``z2 ~ q(. | w)``, ``w`` is no latent of the model: ``c`` and ``d`` are parameters
-    of the conditional density ``q(z2 | z0)``. Its pathwise part holds them fixed, but
-    the split treats ``w`` as a sample, and the gradient it sends to ``w`` would reach
-    ``c`` and ``d`` through ``w``'s value: part of the score part, kept silently.
-    Computing ``c + d * z0`` inside the guide without a sample site gives the exact split.
-    """
+    """Raise if a site's density reads an auxiliary Delta whose value depends on parameters
+    directly: the split would send gradient through that value to parameters of the conditional
+    density (part of the score part)."""
     aux = {
         nodes[s.value.grad_fn]: s
         for s in sites
