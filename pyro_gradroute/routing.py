@@ -184,12 +184,9 @@ class _Group:
 
 
 def _candidate_plans(groups: list[_Group]) -> dict[str, list[tuple[list[_Group], list | None]]]:
-    """The two plans, each a list of passes (groups summed, inputs or None = all leaves).
-
-    By parameters: one pass per distinct set of groups allowed to reach a parameter, with those
-    parameters as inputs. By terms: the unblocked groups in plain passes, each blocked group
-    with inputs = its reachable parameters minus its blocked ones.
-    """
+    """Two plans of passes ``(groups summed, inputs or None = all leaves)``: by parameters (one
+    pass per distinct set of groups allowed to reach a parameter), and by terms (each group,
+    inputs = its reachable parameters minus its blocked ones; plain if none is blocked)."""
     by_params: dict[frozenset, list] = {}
     for p in set().union(*(g.leaves for g in groups)):
         allowed = frozenset(i for i, g in enumerate(groups) if p in g.leaves and p not in g.blocked)
@@ -217,11 +214,8 @@ def _pass_cost(gs: list[_Group], inputs: list | None, graph: _Graph) -> int:
 
 
 def _plan(groups: list[_Group], graph: _Graph) -> list[tuple[list[_Group], list | None]]:
-    """The candidate plan whose passes traverse the fewest nodes (ties: fewer passes).
-
-    Passes run cheapest first: all but the last retain the graph, and the last (the
-    largest) frees saved tensors as it goes, as a plain backward does.
-    """
+    """The candidate plan whose passes traverse the fewest nodes (ties: fewer passes), cheapest
+    pass first (the last, largest, frees saved tensors as it goes, as a plain backward does)."""
     plans = []
     for plan in _candidate_plans(groups).values():
         costs = [_pass_cost(gs, inputs, graph) for gs, inputs in plan]
