@@ -1,16 +1,13 @@
 r"""The pathwise part :math:`\log q(z; \bot(\phi))` of a guide site's log-density, from the site alone.
 
-:func:`site_pathwise` decides the cheapest exact rule per site, :func:`evaluate_run` applies
-it to a guide run's sites: a plain family whose parameters read no earlier sample takes
-one evaluation of a detached copy (:mod:`~pyro_gradroute.distributions.detached`); an
-unconditional flow with its path cached takes its forward-carried gradient (no node);
-anything else with a random draw (conditional sites at any depth, other flows, own
-``score_parts``, straight-through samples) takes one split node for all of them
-(:func:`~pyro_gradroute.distributions.split.split_score_parts`), which sends the partials
-to the earlier samples read; under the JIT, the full parts minus the parts at the detached
-sample (a conditional site raises). A ``Delta`` keeps its ordinary parts, unless its
-density reads parameters directly: a structured guide's map
-(:mod:`~pyro_gradroute.distributions.structured`) or an error naming the site.
+:func:`site_pathwise` takes the cheapest exact rule per site, :func:`evaluate_run` applies it to
+a guide run: a detached copy (:mod:`~pyro_gradroute.distributions.detached`) for a plain family
+reading no earlier sample; the forward-carried gradient for an unconditional flow with its path
+cached; else one split node for all such sites
+(:func:`~pyro_gradroute.distributions.split.split_score_parts`), which sends the partials to the
+earlier samples read; under the JIT, full minus detached parts (a conditional site raises). A
+``Delta`` keeps its ordinary parts unless its density reads parameters directly (a structured
+guide's map, or an error naming the site).
 """
 
 from __future__ import annotations
