@@ -1,24 +1,12 @@
 r"""Gradient routing engine (plain PyTorch): named loss terms, each kept from chosen parameters.
 
-Given scalar terms :math:`L_1, \dots, L_n` and, for each, a set :math:`B_i` of blocked
-parameters, the routed gradient of a parameter :math:`\theta` is
-
-.. math::
-
-    g(\theta) = \sum_{i \,:\, \theta \notin B_i} \frac{\partial L_i}{\partial \theta},
-
-exactly what the naive computation gives (one forward per term, each blocked term
-differentiated with its blocked parameters detached), but from **one** forward pass. Only
-when some block is *effective* (a term reaches a parameter it is blocked from) is the autograd
-graph walked, once, and the cheaper of two plans of pruned ``backward(inputs=...)`` passes run
-(:func:`_candidate_plans`); otherwise it is one plain ``backward`` with no overhead.
-
-Public API: :func:`backward` (accumulate into ``.grad``), :func:`grad` (return
-gradients) and :func:`gate` (a tensor equal to a term whose backward skips chosen
-parameters, for code that must hand a single loss tensor to someone else). All three
-are first order: their gradients carry no graph (``gate`` raises under
-``create_graph=True``), because second derivatives that hold the blocked parameters
-constant need a forward pass in which they are detached.
+:func:`backward` and :func:`grad` give what the naive computation gives (one forward per term,
+its blocked parameters detached) from **one** forward pass. Only when a term reaches a parameter
+it is blocked from is the autograd graph walked, once, and the cheaper of two plans of pruned
+``backward(inputs=...)`` passes run (:func:`_candidate_plans`); otherwise it is one plain
+``backward``. :func:`gate` is a tensor equal to a term whose backward skips chosen parameters.
+All three are first order (``gate`` raises under ``create_graph=True``): second derivatives
+that hold the blocked parameters constant need a forward pass in which they are detached.
 """
 
 from __future__ import annotations
@@ -196,12 +184,9 @@ class _Group:
 
 
 def _candidate_plans(groups: list[_Group]) -> dict[str, list[tuple[list[_Group], list | None]]]:
-    """The two plans, each a list of passes (groups summed, inputs or None = all leaves).
-
-    By parameters: one pass per distinct set of groups allowed to reach a parameter, with those
-    parameters as inputs. By terms: the unblocked groups in plain passes, each blocked group
-    with inputs = its reachable parameters minus its blocked ones.
-    """
+    """Two plans of passes ``(groups summed, inputs or None = all leaves)``: by parameters (one
+    pass per distinct set of groups allowed to reach a parameter), and by terms (each group,
+    inputs = its reachable parameters minus its blocked ones; plain if none is blocked)."""
     by_params: dict[frozenset, list] = {}
     for p in set().union(*(g.leaves for g in groups)):
         allowed = frozenset(i for i, g in enumerate(groups) if p in g.leaves and p not in g.blocked)
@@ -229,11 +214,8 @@ def _pass_cost(gs: list[_Group], inputs: list | None, graph: _Graph) -> int:
 
 
 def _plan(groups: list[_Group], graph: _Graph) -> list[tuple[list[_Group], list | None]]:
-    """The candidate plan whose passes traverse the fewest nodes (ties: fewer passes).
-
-    Passes run cheapest first: all but the last retain the graph, and the last (the
-    largest) frees saved tensors as it goes, as a plain backward does.
-    """
+    """The candidate plan whose passes traverse the fewest nodes (ties: fewer passes), cheapest
+    pass first (the last, largest, frees saved tensors as it goes, as a plain backward does)."""
     plans = []
     for plan in _candidate_plans(groups).values():
         costs = [_pass_cost(gs, inputs, graph) for gs, inputs in plan]
@@ -417,9 +399,7 @@ _HOOKED = "_gradroute_no_grad_hook"
 def _skip_none_in_term_hooks(term: torch.Tensor) -> None:
     """Hooks on the term itself are not called when no gradient reaches it (a full backward
     sends none into the term's graph; e.g. Pyro's NaN-check hooks do not accept ``None``)."""
-    hooks = tensor_backward_hooks(term)
-    if not hooks:
-        return
+    hooks = tensor_backward_hooks(term) or {}
     for key, hook in list(hooks.items()):
         if getattr(hook, _HOOKED, False):
             continue
@@ -612,8 +592,6 @@ def taps(entries: Sequence[tuple[torch.Tensor, torch.Tensor | None]]) -> Iterato
 def reached(tensor: torch.Tensor, candidates: Sequence[torch.Tensor]) -> list[int]:
     """Indices of the ``candidates`` whose autograd node lies on ``tensor``'s graph (the search
     does not look below candidate nodes)."""
-    if tensor.grad_fn is None or not candidates:
-        return []
     targets = {c.grad_fn: i for i, c in enumerate(candidates) if c.grad_fn is not None}
     return reached_nodes([tensor], targets)
 

@@ -6,16 +6,10 @@ For :math:`S` draws :math:`z_s \sim q(z)` the importance log-ratio is
 
     \log r_s = \log p(x, z_s) - \log q(z_s).
 
-Model and guide run once, vectorized over an outer ``pyro.plate`` (as Pyro's
-:func:`pyro.infer.importance.vectorized_importance_weights` does), or one draw at a time for a
-model that does not vectorize (e.g. ``PyroModule[nn.Linear]`` with ``PyroSample`` priors, whose
-weight gains a batch dimension that ``F.linear`` refuses): see :func:`importance_draws`.
-
-Every subsampled ``pyro.plate`` runs at its full size (:func:`.plates.full_plates`): the log-ratio is
-:math:`\log p(x_{1..N}, z_s) - \log q(z_s)` over all points, not a random minibatch's estimate,
-and :attr:`ImportanceDraws.full_plates` says which plates were made full. Discrete sites
-enumerated in the model (``infer={"enumerate": "parallel"}``, absent from the guide) are summed
-out (:mod:`.enumerated`): :math:`\log r_s = \log \sum_k p(x, z_s, k) - \log q(z_s)`.
+Model and guide run once, vectorized over an outer ``pyro.plate``, or one draw at a time for a
+model that does not vectorize (:func:`importance_draws`). Subsampled plates run at their full
+size (:mod:`.plates`) and discrete sites enumerated in the model are summed out
+(:mod:`.enumerated`), as ``docs/diagnostics.md`` tells.
 """
 
 from __future__ import annotations

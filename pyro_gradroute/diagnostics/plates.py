@@ -1,12 +1,6 @@
-r"""A model's plates: run at their full size, and the names and coordinates of their dimensions.
-
-The diagnostics run every subsampled ``pyro.plate`` at its full size (:func:`full_plates`): the
-pointwise log-likelihood belongs to the ``observed_data`` beside it, and the log-ratio is
-:math:`\log p(x_{1..N}, z) - \log q(z)`, not a random minibatch's estimate. A model that indexes
-its data with the plate's indices (``data[ind]``) then sees all ``N`` points; one whose
-observations are only the minibatch fails, and :func:`full_data_error` names the plate. A plate's
-dimension is named after it (coordinates ``range(size)``), any other of site ``"w"`` is
-``"w_dim_k"`` (ArviZ's own default naming).
+r"""A model's plates: run at their full size (:func:`full_plates`; :func:`full_data_error` names a
+plate whose model reads only the minibatch), and the names and coordinates of their dimensions
+(a plate's dimension is named after it, any other of site ``"w"`` is ``"w_dim_k"``, as ArviZ does).
 """
 
 from __future__ import annotations

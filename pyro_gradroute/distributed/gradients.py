@@ -1,7 +1,5 @@
-"""The process group (:func:`init_distributed`) and bucketed collectives on the param store's
-tensors, with a check that every rank holds the same parameters: :func:`average_gradients`,
-:func:`broadcast_param_store`, and :class:`DistributedOptimizer`, a Pyro optimizer that averages
-the gradients before stepping."""
+"""The process group, and bucketed collectives on the param store's tensors that check every
+rank holds the same parameters."""
 
 from __future__ import annotations
 

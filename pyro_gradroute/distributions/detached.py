@@ -1,16 +1,5 @@
 r"""The pathwise part of a plain family's log-density: one evaluation of a detached copy.
 
-For a reparameterized sample :math:`z = g(\epsilon; \phi)` of a family whose parameters
-are tensors it holds as attributes,
-
-.. math::
-
-    \log q(z; \bot(\phi)) = \texttt{detached\_copy(fn).log\_prob}(z),
-
-one evaluation at the live sample of a shallow copy of ``fn`` whose tensor attributes
-are detached: the ordinary value, a gradient that reaches the parameters only through
-:math:`z`, and a backward that is a subset of the ordinary one.
-
 Which distributions qualify (:func:`detached_copy` returns ``None`` otherwise): a torch or
 Pyro family with Pyro's default ``score_parts`` and ``rsample``; ``Independent``,
 ``ExpandedDistribution`` or ``MaskedDistribution`` over one; a ``TransformedDistribution``

@@ -1,12 +1,6 @@
-r"""One-evaluation score/pathwise split of a log-density.
-
-The log-density is evaluated once, at a detached copy ``v`` of the sample: that graph is the
-score part; the ordinary and pathwise parts are outputs of one node (:class:`_Pathwise`)
-whose backward takes ``d log q / d v`` through the same graph and sends it to the sample (and,
-for a conditional ``q(z_2 | z_1)``, the partials to the upstream samples, the gradient
-stopped below each one while that product is taken). Flows are evaluated along the sample's
-path (:mod:`.flows`), parameter-free pushforwards at their pre-image, straight-through samples
-at their relaxed value. ``docs/split.md`` tells the exactness and the families.
+r"""One-evaluation score/pathwise split of a log-density: evaluated once at a detached copy of the
+sample (the score part), with the ordinary and pathwise parts outputs of one node
+(:class:`_Pathwise`). ``docs/split.md`` tells the mechanism, its exactness and the families.
 """
 
 from __future__ import annotations
@@ -69,13 +63,9 @@ class _Item(NamedTuple):
 
 
 class _Pathwise(torch.autograd.Function):
-    """For ``m`` evaluated tensors at once: outputs ``full_i, pathwise_i`` equal to ``lp_i``.
-
-    Backward: ``full_i``'s seed ``g`` goes to ``target_i`` as ``g * d lp_i / d v_i`` and into
-    ``lp_i``'s own graph; ``pathwise_i``'s seed ``h`` goes to ``target_i`` as ``h * d lp_i /
-    d v_i`` and to the upstream tensors as ``h * d lp_i / d u`` (partials), never into
-    ``lp_i``'s graph.
-    """
+    """Outputs ``full_i, pathwise_i`` equal to ``lp_i``; a seed of either goes to ``target_i``
+    times ``d lp_i / d v_i``; ``full_i``'s also into ``lp_i``'s graph, ``pathwise_i``'s also to
+    the upstream tensors (times the partials ``d lp_i / d u``), never into ``lp_i``'s graph."""
 
     @staticmethod
     def forward(ctx, meta, *tensors):  # type: ignore[override]

@@ -21,11 +21,7 @@ MVN              :math:`\mu = m,\ L = \operatorname{diag}(s)` (MultivariateNorma
 ===============  ==============================================================================
 
 (Beta and Dirichlet need :math:`s^2 < m(1-m)`; larger ``s`` is clipped.)
-Register more families with :func:`register_moment_init`.
-
-:func:`support_spread` turns AutoNormal's ``init_scale`` (a standard deviation
-in unconstrained space) into a constrained-space sd by the delta method, so that
-a Gamma factor starts as spread out as AutoNormal's ``exp``-pushed Normal would.
+Register more families with :func:`register_moment_init`; :func:`support_spread` gives the sd.
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
-"""A distribution family whose arguments are constrained module parameters (in Pyro's param store).
-
-Every call reads the values through ``pyro.param``, so ``theta = T(u)`` is recomputed and the
-gradient always reaches the unconstrained leaf ``u`` (computing ``std = exp(log_std)`` once,
-outside a training loop, would freeze ``std`` and free its graph after the first ``backward``).
-"""
+"""A distribution family whose arguments are constrained module parameters (in Pyro's param store),
+re-read through ``pyro.param`` at every call."""
 
 from __future__ import annotations
 

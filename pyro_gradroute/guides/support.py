@@ -1,8 +1,5 @@
-"""Comparing supports: does a family live on a site's support, or on the reals?
-
-Constraints have no ``__eq__``: :func:`support_key` reduces one to a hashable key, equal for
-supports that differ on a set of measure zero (``positive`` and ``nonnegative``).
-"""
+"""Comparing supports: does a family live on a site's support (:func:`support_key`: up to a set
+of measure zero), or on the reals?"""
 
 from __future__ import annotations
 

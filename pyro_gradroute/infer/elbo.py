@@ -1,12 +1,5 @@
-"""The trace-pair machinery of this package's ELBOs: one model/guide trace pair per particle,
-named surrogate terms, ``block_grad`` routes.
-
-Every ELBO here builds, from one trace pair per particle, a dict of named scalar *surrogate
-terms* (keyed ``("model", site)``, ``("guide", site)`` or ``(kind, ...)``) whose sum is the
-surrogate ELBO, and a float ELBO estimate. Separate terms let
-:func:`pyro_gradroute.routing.backward` keep a ``block_grad``-marked site's terms from the
-blocked parameters; without marks the step is one plain backward.
-"""
+"""The trace-pair machinery of this package's ELBOs (:class:`RoutedELBO`): one model/guide trace
+pair per particle, named surrogate terms, ``block_grad`` routes."""
 
 from __future__ import annotations
 
@@ -287,14 +280,11 @@ class RoutedELBO(ELBO):
             loss -= elbo
             if not (terms and trainable):  # as Pyro: no param site, no backward
                 continue
-            if not blocks:  # no routes: one plain backward of the whole surrogate
-                (-sum(terms.values())).backward(retain_graph=self.retain_graph)
-            else:
-                routing.backward(
-                    {k: -v for k, v in terms.items()},
-                    block=blocks,
-                    retain_graph=self.retain_graph,
-                    strict=False,  # marked sites without a gradient have no term
-                )
+            routing.backward(  # without routes: one plain backward of the whole surrogate
+                {k: -v for k, v in terms.items()},
+                block=blocks,
+                retain_graph=self.retain_graph,
+                strict=False,  # marked sites without a gradient have no term
+            )
         warn_if_nan(loss, "loss")
         return loss

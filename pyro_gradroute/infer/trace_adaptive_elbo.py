@@ -1,7 +1,5 @@
-r"""``Trace_ELBO`` whose score part is added back with a weight learned from earlier steps:
-the estimators' two step functions (a measured step and a direct step) around
-:class:`~pyro_gradroute.infer.control_variate.ControlVariate` and
-:class:`~pyro_gradroute.infer.schedule.Schedule`."""
+"""The adaptive estimators' measured and direct steps, around :class:`.control_variate.ControlVariate`
+and :class:`.schedule.Schedule`."""
 
 from __future__ import annotations
 
@@ -500,11 +498,7 @@ class TraceAdaptiveSTL_ELBO(_Adaptive, TraceSTL_ELBO):
                     continue
                 if blocks:  # this package's routed Trace_ELBO on these traces
                     _, terms = self._routed_trace._particle_terms(model_trace, guide_trace, blocks)
-                    terms = {
-                        k: -v / n
-                        for k, v in terms.items()
-                        if torch.is_tensor(v) and v.requires_grad
-                    }
+                    terms = {k: -v / n for k, v in terms.items()}  # (non-differentiable: skipped)
                     routing.backward(
                         terms, block=blocks, retain_graph=self._pyro.retain_graph, strict=False
                     )

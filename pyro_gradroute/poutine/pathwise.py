@@ -1,16 +1,13 @@
 r"""The pathwise part :math:`\log q(z; \bot(\phi))` of a guide site's log-density, from the site alone.
 
-:func:`site_pathwise` decides the cheapest exact rule per site, :func:`evaluate_run` applies
-it to a guide run's sites: a plain family whose parameters read no earlier sample takes
-one evaluation of a detached copy (:mod:`~pyro_gradroute.distributions.detached`); an
-unconditional flow with its path cached takes its forward-carried gradient (no node);
-anything else with a random draw (conditional sites at any depth, other flows, own
-``score_parts``, straight-through samples) takes one split node for all of them
-(:func:`~pyro_gradroute.distributions.split.split_score_parts`), which sends the partials
-to the earlier samples read; under the JIT, the full parts minus the parts at the detached
-sample (a conditional site raises). A ``Delta`` keeps its ordinary parts, unless its
-density reads parameters directly: a structured guide's map
-(:mod:`~pyro_gradroute.distributions.structured`) or an error naming the site.
+:func:`site_pathwise` takes the cheapest exact rule per site, :func:`evaluate_run` applies it to
+a guide run: a detached copy (:mod:`~pyro_gradroute.distributions.detached`) for a plain family
+reading no earlier sample; the forward-carried gradient for an unconditional flow with its path
+cached; else one split node for all such sites
+(:func:`~pyro_gradroute.distributions.split.split_score_parts`), which sends the partials to the
+earlier samples read; under the JIT, full minus detached parts (a conditional site raises). A
+``Delta`` keeps its ordinary parts unless its density reads parameters directly (a structured
+guide's map, or an error naming the site).
 """
 
 from __future__ import annotations
@@ -144,12 +141,9 @@ def _flow_pathwise(
 
 
 def _traced(name: str, fn, value: torch.Tensor, earlier: list) -> ScoreParts:
-    """The pathwise parts as plain tensor operations, for programs traced by the JIT.
-
-    ``pathwise = log q(z) - log q(stop(z)) + stop(log q(stop(z)))``: the full gradient minus
-    the score part, the same first derivatives as the split node. The subtraction also
-    removes the path through earlier samples, so a conditional site raises.
-    """
+    """For programs traced by the JIT: ``log q(z) - log q(stop(z)) + stop(log q(stop(z)))``, the
+    split node's first derivatives; it drops the path through earlier samples (a conditional
+    site raises)."""
     full = fn.score_parts(value)
     v = value.detach()
     try:
@@ -269,15 +263,9 @@ def _structured(owner, sites: list[RunSite]) -> None:
 
 
 def _check_auxiliary_links(sites: list[RunSite], items, earlier, nodes) -> None:
-    """Raise if a site's density reads an auxiliary Delta whose value depends on parameters directly.
-
-    In ``w = sample("w", Delta(c + d * z0), infer={"is_auxiliary": True})`` read by
-    ``z2 ~ q(. | w)``, ``w`` is no latent of the model: ``c`` and ``d`` are parameters
-    of the conditional density ``q(z2 | z0)``. Its pathwise part holds them fixed, but
-    the split treats ``w`` as a sample, and the gradient it sends to ``w`` would reach
-    ``c`` and ``d`` through ``w``'s value: part of the score part, kept silently.
-    Computing ``c + d * z0`` inside the guide without a sample site gives the exact split.
-    """
+    """Raise if a site's density reads an auxiliary Delta whose value depends on parameters
+    directly: the split would send gradient through that value to parameters of the conditional
+    density (part of the score part)."""
     aux = {
         nodes[s.value.grad_fn]: s
         for s in sites

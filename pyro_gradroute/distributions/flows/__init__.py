@@ -1,22 +1,13 @@
 r"""Forward-carried pathwise gradients of normalizing flows: one rule per transform class.
 
-A flow samples :math:`y = T(x)`, :math:`x \sim q_0`, and scores it by
-:math:`\log q(y) = \log q_0(x) - \log|\det J_T(x)|`. The pathwise part of the
-score/pathwise split needs :math:`g_y = \nabla_y \log q(y)` with the parameters held
-fixed. Instead of running :math:`T^{-1}`, it is carried *forward* with the sample
-(Vaitl et al. 2024, "fast path gradients"), one layer :math:`x \mapsto T_i(x)` at a time:
-
-.. math::
-
-    g_{x_{i+1}} = J_{T_i}(x_i)^{-T}\,\big(g_{x_i} - \nabla_{x_i} \log|\det J_{T_i}(x_i)|\big),
-    \qquad g_{x_0} = \nabla_{x_0} \log q_0(x_0).
-
-Each transform class has a *rule* applying that update (:func:`register_flow_rule`,
-:data:`RULES_TABLE`); triangular Jacobians take the fixed-point iteration
-:math:`g \leftarrow g + \operatorname{diag}(J)^{-1}(u - J^T g)`, exact after at most
-:math:`D` iterations (:func:`solve_settings`, :class:`FlowSolveError`). Trailing
-parameter-free transforms need no rule (:class:`FlowPath`); a transform with no rule makes
-the split fall back to the inverse. ``docs/split.md`` has the table and the costs.
+A flow samples :math:`y = T(x)`, :math:`x \sim q_0`. The pathwise part of the score/pathwise
+split needs :math:`g_y = \nabla_y \log q(y)` with the parameters held fixed; instead of running
+:math:`T^{-1}`, it is carried *forward* with the sample (Vaitl et al. 2024, "fast path
+gradients"), one layer at a time (:func:`flow_grad` has the math), by one *rule* per transform
+class (:func:`register_flow_rule`, :data:`RULES_TABLE`; triangular Jacobians:
+:func:`solve_settings`, :class:`FlowSolveError`). Trailing parameter-free transforms need no rule
+(:class:`FlowPath`); a transform with no rule makes the split fall back to the inverse.
+``docs/split.md`` has the table and the costs.
 
 Example (Planar layers have no inverse; the gradient is carried forward)::
 

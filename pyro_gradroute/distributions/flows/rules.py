@@ -1,9 +1,5 @@
-r"""The rule registry, and the closed-form rules: elementwise, orthogonal, low-rank, coupling.
-
-A rule ``fn(layer, g_x) -> g_y`` applies
-:math:`g_y = J(x)^{-T}(g_x - \nabla_x \log|\det J(x)|)` for one transform class
-(:func:`register_flow_rule`); :data:`RULES_TABLE` lists the built-in ones.
-"""
+r"""The rule registry (:func:`register_flow_rule`), and the closed-form rules: elementwise,
+orthogonal, low-rank, coupling (:data:`RULES_TABLE` lists the built-in ones)."""
 
 from __future__ import annotations
 

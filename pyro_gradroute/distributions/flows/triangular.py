@@ -1,10 +1,5 @@
-r"""Triangular Jacobians (autoregressive layers): the fixed-point solve and its rules.
-
-:math:`J^T g_y = g - \nabla_x \log|\det J|` is solved by the iteration
-:math:`g_y \leftarrow g_y + \operatorname{diag}(J)^{-1}(g - \nabla_x \log|\det J| - J^T g_y)`,
-one vector-Jacobian product per iteration, exact after at most :math:`D` iterations
-(:func:`triangular_solve`; tolerance via :func:`solve_settings`).
-"""
+r"""Triangular Jacobians (autoregressive layers): the fixed-point solve (:func:`triangular_solve`)
+and its rules."""
 
 from __future__ import annotations
 
