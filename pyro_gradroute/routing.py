@@ -592,6 +592,8 @@ def taps(entries: Sequence[tuple[torch.Tensor, torch.Tensor | None]]) -> Iterato
 def reached(tensor: torch.Tensor, candidates: Sequence[torch.Tensor]) -> list[int]:
     """Indices of the ``candidates`` whose autograd node lies on ``tensor``'s graph (the search
     does not look below candidate nodes)."""
+    if tensor.grad_fn is None or not candidates:
+        return []
     targets = {c.grad_fn: i for i, c in enumerate(candidates) if c.grad_fn is not None}
     return reached_nodes([tensor], targets)
 

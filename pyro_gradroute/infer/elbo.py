@@ -280,11 +280,14 @@ class RoutedELBO(ELBO):
             loss -= elbo
             if not (terms and trainable):  # as Pyro: no param site, no backward
                 continue
-            routing.backward(  # without routes: one plain backward of the whole surrogate
-                {k: -v for k, v in terms.items()},
-                block=blocks,
-                retain_graph=self.retain_graph,
-                strict=False,  # marked sites without a gradient have no term
-            )
+            if not blocks:  # no routes: one plain backward of the whole surrogate
+                (-sum(terms.values())).backward(retain_graph=self.retain_graph)
+            else:
+                routing.backward(
+                    {k: -v for k, v in terms.items()},
+                    block=blocks,
+                    retain_graph=self.retain_graph,
+                    strict=False,  # marked sites without a gradient have no term
+                )
         warn_if_nan(loss, "loss")
         return loss
