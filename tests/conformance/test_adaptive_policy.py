@@ -181,15 +181,14 @@ def _check_endpoint_steps(case, measured, prepare, what):
 
 
 def _settled_as_good(elbo, end):
-    """Settled, mixed weights, endpoint ``end`` predicted as good: a direct step is next."""
+    """Settled, the fit at endpoint ``end`` on every tensor, predicted as good as the fitted
+    mix: a direct step is next."""
     cv = elbo.control_variate
     for key, st in cv.state.items():
         st["n"] = 10**6
         fit = cv.fit(key)
         st["age"] = -(10**6)
-        fit.update(b=torch.full_like(fit["b"], 0.5), constant=None, views=None)
-        # predicted second moments (mix, STL, Trace_ELBO): the endpoint as good as the mix
-        fit["moments"] = (1.0, 1.0, 2.0) if end == 0.0 else (1.0, 2.0, 1.0)
+        fit.update(b=torch.full_like(fit["b"], end), constant=end, ratio=1.0, views=None)
     elbo.schedule.unmeasured = 0
 
 
