@@ -7,6 +7,7 @@ import warnings
 import weakref
 from collections.abc import Callable
 
+import pyro.infer as pi
 import torch
 from pyro.poutine.messenger import Messenger
 from torch.distributions import Distribution, TransformedDistribution, kl_divergence, register_kl
@@ -192,6 +193,10 @@ class STLPolicy:
 
 _GRADIENT_METHODS = ("loss_and_grads", "differentiable_loss", "_differentiable_loss_particle")
 _VALID: dict[type, bool] = {}  # estimator class -> whether STL is valid in it
+#: Pyro's ELBOs that take log q's gradient as a plain sum (the classes, held from import on)
+_PYRO_SAFE = (pi.Trace_ELBO, pi.JitTrace_ELBO, pi.TraceGraph_ELBO, pi.JitTraceGraph_ELBO,
+              pi.TraceEnum_ELBO, pi.JitTraceEnum_ELBO, pi.TraceMeanField_ELBO,
+              pi.JitTraceMeanField_ELBO)  # fmt: skip
 
 
 def check_elbo(elbo) -> None:
@@ -214,12 +219,7 @@ def check_elbo(elbo) -> None:
         return
     cls = type(elbo)
     if cls not in _VALID:
-        import pyro.infer as pi
-
-        allowed = (pi.Trace_ELBO, pi.JitTrace_ELBO, pi.TraceGraph_ELBO, pi.JitTraceGraph_ELBO,
-                   pi.TraceEnum_ELBO, pi.JitTraceEnum_ELBO, pi.TraceMeanField_ELBO,
-                   pi.JitTraceMeanField_ELBO)  # fmt: skip
-        base = next((c for c in cls.__mro__ if c in allowed or vars(c).get("_stl_safe")), None)
+        base = next((c for c in cls.__mro__ if c in _PYRO_SAFE or vars(c).get("_stl_safe")), None)
         owners = (next((c for c in cls.__mro__ if m in vars(c)), None) for m in _GRADIENT_METHODS)
         _VALID[cls] = base is not None and all(c is None or c in base.__mro__ for c in owners)
     if _VALID[cls]:
