@@ -340,7 +340,8 @@ class TraceAdaptiveSTL_ELBO(_Adaptive, TraceSTL_ELBO):
     of its parameters, named ``"<site>.loc"``, ``"<site>.scale"``), else with a second backward.
     ``differentiable_loss`` and distributed runs measure every step. ``block_grad`` routes apply
     to both parts. A parameter of the last measured step that changes shape or leaves the param
-    store starts again at ``Trace_ELBO``. The state survives ``pickle``, ``deepcopy``,
+    store starts again at ``Trace_ELBO``. Only param sites (``pyro.param``, ``pyro.module``) are
+    weighed: a tensor the guide reads without one gets STL's gradient from a measured step. The state survives ``pickle``, ``deepcopy``,
     ``torch.save`` and ``state_dict`` (each copy takes the same next steps).
 
     Example::

@@ -1395,3 +1395,33 @@ def test_a_tensor_whose_mean_gradient_dominates_keeps_trace_elbo_while_another_t
         torch.testing.assert_close(
             ours["scale_a"], stl["scale_a"] + w * (trace["scale_a"] - stl["scale_a"])
         )
+
+
+def test_a_tensor_outside_the_param_store_gets_stls_gradient_on_a_measured_step():
+    """Only param sites are weighed: a tensor the guide reads without ``pyro.param`` gets STL's
+    gradient from a measured step (``differentiable_loss`` measures every call), on the same
+    draws, while a param site gets ``Trace_ELBO``'s (``b = 1`` at the start)."""
+    x = torch.tensor([0.5, 1.5, 1.0])
+    raw_loc = torch.tensor(0.2, requires_grad=True)
+
+    def model():
+        z = pyro.sample("z", dist.Normal(0.0, 1.0))
+        with pyro.plate("d", 3):
+            pyro.sample("x", dist.Normal(z, 1.0), obs=x)
+
+    def guide():
+        scale = pyro.param("scale", torch.tensor(0.7), constraint=constraints.positive)
+        pyro.sample("z", dist.Normal(raw_loc, scale))
+
+    def grads(elbo):
+        pyro.set_rng_seed(0)
+        loss = elbo.differentiable_loss(model, guide)
+        scale = pyro.param("scale").unconstrained()
+        return torch.autograd.grad(loss, [raw_loc, scale])
+
+    pyro.clear_param_store()
+    ours = grads(TraceAdaptiveSTL_ELBO())
+    stl, trace = grads(TraceSTL_ELBO()), grads(PyroTrace_ELBO())
+    torch.testing.assert_close(ours[0], stl[0])
+    torch.testing.assert_close(ours[1], trace[1])
+    assert not torch.allclose(stl[0], trace[0])  # the two differ on this draw
