@@ -599,7 +599,9 @@ def _distributed_worker(rank, world_size):
     for _ in range(8):
         svi.step(*args)
     params = {k: v.detach().clone() for k, v in pyro.get_param_store().items()}
-    return {"b": elbo.control_variate_weights(), "params": params}
+    cv = elbo.control_variate
+    fits = {key: cv.fit(key)["b_mix"] for key in cv.state}  # the fit before step 5
+    return {"b": elbo.control_variate_weights(), "fits": fits, "params": params}
 
 
 @pytest.mark.slow
@@ -610,7 +612,10 @@ def test_distributed_weights_identical_on_every_rank(tmp_path):
     assert r0["b"].keys() == r1["b"].keys() and r0["b"]
     for k in r0["b"]:
         torch.testing.assert_close(r0["b"][k], r1["b"][k], rtol=0, atol=0)
-        assert (r0["b"][k] != 0).any()
+    assert r0["fits"].keys() == r1["fits"].keys() and r0["fits"]
+    for k in r0["fits"]:  # the fitted weights, identical and not all zero
+        torch.testing.assert_close(r0["fits"][k], r1["fits"][k], rtol=0, atol=0)
+        assert (r0["fits"][k] != 0).any()
     for k in r0["params"]:
         torch.testing.assert_close(r0["params"][k], r1["params"][k], rtol=0, atol=0)
 
