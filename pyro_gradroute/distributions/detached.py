@@ -13,6 +13,7 @@ log-density at a detached value must require no gradient).
 from __future__ import annotations
 
 import copy
+from collections.abc import Collection
 
 import torch
 from pyro.distributions import Delta
@@ -93,15 +94,16 @@ def _dict_copy(cls) -> bool:
     return ok
 
 
-def _copy(fn: Distribution, params: list) -> Distribution:
+def _copy(fn: Distribution, params: list, keep=()) -> Distribution:
     state = dict(vars(fn))
     for k, v in state.items():
         if isinstance(v, torch.Tensor):
             if v.requires_grad:
                 params.append(v)
-                state[k] = v.detach()
+                if k not in keep:
+                    state[k] = v.detach()
         elif isinstance(v, Distribution):
-            state[k] = _copy(v, params)
+            state[k] = _copy(v, params, keep)
     cls = type(fn)
     ok = _DICT_COPY.get(cls)
     if ok or (ok is None and _dict_copy(cls)):
@@ -127,15 +129,20 @@ def param_tensors(fn: Distribution) -> list[torch.Tensor]:
 
 
 def detached_copy(
-    fn: Distribution, value: torch.Tensor | None = None, params: list | None = None
+    fn: Distribution,
+    value: torch.Tensor | None = None,
+    params: list | None = None,
+    keep: Collection[str] = (),
 ) -> Distribution | None:
     r"""A copy of ``fn`` whose parameters are stopped, or ``None`` if ``fn`` does not qualify.
 
     ``detached_copy(fn).log_prob(z)`` is :math:`\log q(z; \bot(\phi))`: the ordinary
     value, gradient to :math:`z` only. ``value`` (a sample of ``fn``) is used the first
     time ``fn``'s type is seen, to check that the copy holds all of its parameters.
-    ``params``: a list to which the parameters it stopped are appended (those of
-    :func:`param_tensors`), where it qualifies.
+    ``params``: a list to which the parameters it read are appended (those of
+    :func:`param_tensors`), where it qualifies. ``keep``: attribute names (``"loc"``,
+    ``"scale"``) left live: :math:`\log q(z; \theta_K, \bot(\theta_{\bar K}))` keeps the
+    score part at those parameters only.
 
     Example::
 
@@ -155,7 +162,7 @@ def detached_copy(
     sig = _plain_signature(fn)
     if sig is None:
         return None
-    new = _copy(fn, [] if params is None else params)
+    new = _copy(fn, [] if params is None else params, keep)
     verdict = _VERIFIED.get(sig)
     if verdict is None and value is not None and torch.is_grad_enabled():
         if unquantized(value) is not None:  # straight-through: its density is at the relaxed
@@ -166,7 +173,8 @@ def detached_copy(
         try:
             has_params = fn.log_prob(v).requires_grad
             if has_params:  # does the copy hold them all?
-                verdict = _VERIFIED[sig] = not new.log_prob(v).requires_grad
+                full = _copy(fn, [], ()) if keep else new
+                verdict = _VERIFIED[sig] = not full.log_prob(v).requires_grad
         except Exception:  # cannot be checked at a detached value: another rule decides
             return None
         finally:

@@ -146,6 +146,8 @@ class ControlVariate:
     def fit(self, key: str) -> dict | None:
         """``{"b", "b_mix", "b_hat", "se", "endpoint", "n_eff"}`` (joint vectors; ``b_mix`` the
         weights before step 5), ``constant`` (the value every ``b`` takes, else ``None``),
+        ``ends`` (where step 5 leaves every tensor at one endpoint: the names of those at 1,
+        a ``frozenset``; else ``None``),
         ``moments`` (predicted :math:`S(b_{mix}), S(0), S(1)`) and ``ratio``
         (:math:`S(b) / S(b_{mix})`); ``None`` in warm-up."""
         st = self.state.get(key)
@@ -191,7 +193,7 @@ class ControlVariate:
         s1 = s0 + 2 * cov + var_c
         s_b = (s0 + b * (2 * cov + b * var_c)).clamp_min(0)
         totals = tuple(float(t.sum()) for t in (s_b, s0, s1))
-        ratio, b_mix = 1.0, b
+        ratio, b_mix, ends = 1.0, b, None
         if self.gain is not None:  # step 5: per tensor, an endpoint unless the fit gains more
             sizes = [math.prod(shape) for _, shape in self.layouts[key]]
             per = (s_b, s0, s1, mp.square())
@@ -203,6 +205,12 @@ class ControlVariate:
             b = torch.where(e >= 0, e.to(b.dtype), b)
             s_e = float((s0 + b * (2 * cov + b * var_c)).sum())
             ratio = s_e / totals[0] if totals[0] > 0 else 1.0
+            # every tensor at one endpoint: the names of those at 1 (the others are at 0)
+            ones, zeros = (torch.stack([(t == v).sum() for t in b.split(sizes)]).tolist()
+                           for v in (1, 0))  # fmt: skip
+            if all(n in (o, z) for o, z, n in zip(ones, zeros, sizes)):
+                names = [name for name, _ in self.layouts[key]]
+                ends = frozenset(name for name, o, n in zip(names, ones, sizes) if o == n)
         return {
             "b": b,
             "b_mix": b_mix,
@@ -211,6 +219,7 @@ class ControlVariate:
             "endpoint": end,
             "n_eff": n_eff,
             "constant": next((v for v in (0.0, 1.0) if bool((b == v).all())), None),
+            "ends": ends,
             "moments": totals,
             "ratio": ratio,
         }

@@ -13,7 +13,11 @@ Since :math:`S(b) = \mathbb E\lVert g(b)\rVert^2 = \lVert \mathbb E g\rVert^2 + 
   5 of :class:`~pyro_gradroute.infer.control_variate.ControlVariate`, with ``mix_gain``),
   steps take it directly and one in ``measure_every`` measures (the wait doubles after each
   confirming measurement, up to ``measure_max``, while :math:`S(e) \le` ``calm``
-  :math:`S(b)`, :math:`b` the fitted mix).
+  :math:`S(b)`, :math:`b` the fitted mix). Where measured steps take one pass (their
+  tensors are guide sites' ``loc`` and ``scale``), the endpoint may differ between tensors
+  (a *split*, :math:`e` the set of names at 1): a direct step then runs the guide under
+  sticking the landing with the score part kept at those tensors, which is :math:`p + e
+  \odot c` at STL's cost.
 
 ``mix_gain=None`` measures every step; ``math.inf`` never mixes: a switch between the whole
 estimators (``Trace_ELBO`` first, STL once its predicted second moment is the lower).
@@ -122,11 +126,11 @@ class Gate:
 
 
 class Step(NamedTuple):
-    """A step's kind: ``measure`` (both parts), else a direct step at endpoint ``end``
-    (``feed``: its gradient goes into the gate)."""
+    """A step's kind: ``measure`` (both parts), else a direct step at endpoint ``end`` (1, 0,
+    or a split: the names at 1) (``feed``: its gradient goes into the gate)."""
 
     measure: bool
-    end: float = 1.0
+    end: float | frozenset = 1.0
     feed: bool = False
 
 
@@ -149,14 +153,16 @@ class Schedule:
         self.layout: list | None = None  # its parameters [(param-store name, shape)]
         self.one_pass: bool | None = None  # whether measured steps take one backward
         self.routed = False  # whether the last measured step had block_grad routes
+        self.sites = False  # whether its names are guide sites' parameters (one pass)
         self.unmeasured, self.interval, self.last_end = 0, self.config.measure_every, None
         self.gate_count = 0
         self.gate.reset(1.0)
 
     # -- the choice ----------------------------------------------------------------------
-    def endpoint(self, cv) -> tuple[float | None, float]:
+    def endpoint(self, cv) -> tuple[float | frozenset | None, float]:
         """``(e, r)``: the endpoint direct steps take (``None``: none yet, or the fit takes no
-        single endpoint), and its predicted second moment over the fitted mix's."""
+        endpoint on some tensor; a ``frozenset``: a split, the names at 1), and its predicted
+        second moment over the fitted mix's."""
         key = self.key
         if key is None or not cv.settled(key) or cv.fixed_weight is not None:
             return None, 1.0
@@ -166,11 +172,19 @@ class Schedule:
         if self.mix_gain == math.inf:
             s_mix, s0, s1 = fit["moments"]
             return (0.0 if s0 <= s1 else 1.0), 1.0
-        return fit["constant"], fit["ratio"]
+        return self._end(fit), fit["ratio"]
 
-    def constant(self, cv, key: str) -> float | None:
+    def _end(self, fit: dict) -> float | frozenset | None:
+        """The fit's endpoint: the weight every element takes, else a split where the names
+        are guide sites' parameters (a direct step can keep their score parts), else None."""
+        end = fit["constant"]
+        if end is None and self.sites and not self.routed:
+            end = fit.get("ends")
+        return end
+
+    def constant(self, cv, key: str) -> float | frozenset | None:
         """The weight every element of ``key`` takes on the next measured step, where they all
-        take the same (``fixed_weight``, 1 in warm-up, an endpoint), else ``None``."""
+        take the same (``fixed_weight``, 1 in warm-up, an endpoint) or a split, else ``None``."""
         if cv.fixed_weight is not None:
             return cv.fixed_weight
         fit = cv.fit(key)
@@ -179,7 +193,7 @@ class Schedule:
         if self.mix_gain == math.inf:  # a switch: the endpoint predicted better
             s_mix, s0, s1 = fit["moments"]
             return 0.0 if s0 <= s1 else 1.0
-        return fit["constant"]
+        return self._end(fit)
 
     def weights(self, cv, names: list[str], likes: list[torch.Tensor]) -> list[torch.Tensor]:
         """The weights a measured step applies: the fit's, or its endpoint in switch mode."""
@@ -224,7 +238,7 @@ class Schedule:
             self.interval = min(2 * self.interval, cfg.measure_max) if calm else cfg.measure_every
         return MEASURE
 
-    def _direct(self, end: float, every: int = 0) -> Step:
+    def _direct(self, end: float | frozenset, every: int = 0) -> Step:
         self.gate_count = (self.gate_count + 1) % (every or self.config.gate_every)
         return Step(False, end, self.gate_count == 0)
 
@@ -238,10 +252,11 @@ class Schedule:
                 self.reset()
                 return
 
-    def measured(self, key: str, layout: list | None, routed: bool) -> None:
+    def measured(self, key: str, layout: list | None, routed: bool, sites: bool = False) -> None:
         """Record a measured step's joint state and its parameters (``None``: some parameter
-        is outside the param store, so direct steps cannot feed the gate)."""
-        self.key, self.layout, self.routed = key, layout, routed
+        is outside the param store, so direct steps cannot feed the gate); ``sites``: its
+        names are guide sites' parameters (a one-pass step)."""
+        self.key, self.layout, self.routed, self.sites = key, layout, routed, sites
 
     def state_dict(self) -> dict:
         gate = {k: _clone(getattr(self.gate, k)) for k in ("e", "w1", "w2", "prev", "sums")}

@@ -18,7 +18,7 @@ from .._compat import param_store_leaves, trace_elbo_particles, trace_enum_elbo_
 from .._validation import check_float
 from ..distributed.gradients import average_gradients
 from ..distributions.normal import normal_score, normal_sites
-from ..poutine.stick_the_landing_messenger import stick_the_landing
+from ..poutine.stick_the_landing_messenger import StickTheLandingMessenger, STLPolicy
 from .control_variate import ControlVariate
 from .elbo import (
     EXTRA,
@@ -221,12 +221,23 @@ class _Adaptive:
         self.control_variate.layouts.clear()
         self.schedule.reset()
 
-    def _stl(self, guide):
-        """``stick_the_landing(guide)``, kept per guide (a new handler's first run costs more)."""
+    def _at(self, end, guide):
+        r"""The guide a direct step at endpoint ``end`` runs: ``guide`` at 1, else ``guide``
+        under sticking the landing, with the score part kept at the tensors of a split
+        (``"<site>.loc"``, ``"<site>.scale"``: :math:`p + e \odot c`); kept per guide."""
+        if end == 1.0:
+            return guide
         cached = self.__dict__.get("_stl_guide")
-        if cached is None or cached[0] is not guide:
-            cached = self._stl_guide = (guide, stick_the_landing(guide))
-        return cached[1]
+        if cached is None or cached[0] is not guide or cached[1] != end:
+            keep: dict[str, set] | None = None
+            if isinstance(end, frozenset):
+                keep = {}
+                for name in end:
+                    site, part = name.rsplit(".", 1)
+                    keep.setdefault(site, set()).add(part)
+            handler = StickTheLandingMessenger(_policy=STLPolicy(type(self).__name__, keep=keep))
+            cached = self._stl_guide = (guide, end, handler(guide))
+        return cached[2]
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
@@ -291,8 +302,9 @@ class _Adaptive:
                 if _ranks(self._distributed) > 1:
                     paths, cvs = _mean_over_ranks(order, paths, cvs)
                 p, c = cv.update(keys, paths, cvs)
-                if sch.mix_gain is not None:  # what a direct step at the gate's endpoint applies
-                    sch.gate.update(p if sch.gate.e == 0.0 else p + sch.gate.e * c)
+                e = sch.gate.e  # what a direct step at the gate's endpoint applies (a split's
+                if sch.mix_gain is not None and not isinstance(e, frozenset):  # names: sites')
+                    sch.gate.update(p if e == 0.0 else p + e * c)
                 sch.measured(cv.key(keys, order), _layout(keys, order), routed)
                 if sch.one_pass is None:
                     sch.one_pass = one_pass
@@ -334,7 +346,9 @@ class TraceAdaptiveSTL_ELBO(_Adaptive, TraceSTL_ELBO):
     ``Trace_ELBO``'s gradient on a tensor whose mean gradient dominates.
 
     **Steps** (:class:`~pyro_gradroute.infer.schedule.Schedule`, from earlier steps). A *direct*
-    step is Pyro's ``Trace_ELBO`` on ``guide`` or on ``stick_the_landing(guide)``. A *measured*
+    step is Pyro's ``Trace_ELBO`` on ``guide`` or on ``stick_the_landing(guide)``; where the
+    tensors take different endpoints, the guide under sticking the landing with the score part
+    kept at the ``"<site>.loc"`` / ``"<site>.scale"`` at 1 (at STL's cost). A *measured*
     step forms both parts: in one backward where every guide site with a score part is a plain
     ``Normal`` (:func:`~pyro_gradroute.distributions.normal.normal_sites`; moments per element
     of its parameters, named ``"<site>.loc"``, ``"<site>.scale"``), else with a second backward.
@@ -379,8 +393,9 @@ class TraceAdaptiveSTL_ELBO(_Adaptive, TraceSTL_ELBO):
         :math:`\ge 1`: per parameter tensor, ``Trace_ELBO``'s gradient while no weights can
         gain more than ``mix_gain`` there, else the better endpoint unless the fit gains more
         than ``mix_gain`` over it (step 5 of
-        :class:`~pyro_gradroute.infer.control_variate.ControlVariate`); steps take an endpoint
-        directly where every tensor takes it, and while the gate bounds any weights' gain below
+        :class:`~pyro_gradroute.infer.control_variate.ControlVariate`); steps take the
+        endpoints directly where every tensor takes one (different ones only where measured
+        steps take one pass), and while the gate bounds any weights' gain below
         ``mix_gain``; ``math.inf``: a measured switch between the whole estimators (never a
         mix).
     :param schedule: a :class:`~pyro_gradroute.infer.schedule.ScheduleConfig`.
@@ -441,8 +456,9 @@ class TraceAdaptiveSTL_ELBO(_Adaptive, TraceSTL_ELBO):
                 sch.gate.update(_flat_grad(params))
         return loss
 
-    def _endpoint(self, end: float, model, guide, args, kwargs) -> float:
-        """Pyro's estimator on ``guide`` (``end = 1``) or on ``stick_the_landing(guide)``; where
+    def _endpoint(self, end, model, guide, args, kwargs) -> float:
+        """Pyro's estimator on ``guide`` (``end = 1``) or on it under sticking the landing
+        (``end = 0``, or a split: :meth:`_at`); where
         the last measured step had ``block_grad`` routes, this package's routed ones (which
         route REINFORCE terms per site)."""
         if self.schedule.routed:
@@ -450,9 +466,7 @@ class TraceAdaptiveSTL_ELBO(_Adaptive, TraceSTL_ELBO):
                 return self._routed_trace.loss_and_grads(model, guide, *args, **kwargs)
             return RoutedELBO.loss_and_grads(self, model, guide, *args, **kwargs)
         self._sync()
-        return self._pyro.loss_and_grads(
-            model, guide if end == 1.0 else self._stl(guide), *args, **kwargs
-        )
+        return self._pyro.loss_and_grads(model, self._at(end, guide), *args, **kwargs)
 
     def _sync(self) -> None:
         self._pyro.max_plate_nesting = self.max_plate_nesting
@@ -525,7 +539,7 @@ class TraceAdaptiveSTL_ELBO(_Adaptive, TraceSTL_ELBO):
                 cv.update(keys, [acc[k][0] for k in keys], [acc[k][1] for k in keys])
                 names = sorted(params)
                 ps = [params[k] for k in names]
-                sch.measured(key, _layout(names, ps), routed)
+                sch.measured(key, _layout(names, ps), routed, sites=True)
                 if feed and ps:  # the step's own gradient, in the layout's order
                     sch.gate.update(_flat_grad(ps))
                 sch.one_pass = True
@@ -569,7 +583,8 @@ class TraceEnumAdaptiveSTL_ELBO(TraceAdaptiveSTL_ELBO):
     enumerated sites are summed out exactly, and the continuous guide's gradient is
     :math:`p + b \odot c` (unbiased for any :math:`b` from earlier steps).
 
-    Direct steps are ``TraceEnum_ELBO``'s on ``guide`` or ``stick_the_landing(guide)``;
+    Direct steps are ``TraceEnum_ELBO``'s on ``guide`` or ``stick_the_landing(guide)`` (or a
+    split, as :class:`TraceAdaptiveSTL_ELBO`'s);
     measured steps take one backward, so every guide site with a score part must be a plain
     ``Normal`` (``AutoNormal``, ``AutoDiagonalNormal``, mean-field guides; another raises a
     ``ValueError`` naming the site). Every method's value equals ``TraceEnum_ELBO``'s on the
@@ -633,7 +648,7 @@ class TraceEnumAdaptiveSTL_ELBO(TraceAdaptiveSTL_ELBO):
     def differentiable_loss(self, model, guide, *args, **kwargs) -> torch.Tensor:
         end = self.schedule.endpoint(self.control_variate)[0]
         self._sync()
-        guide = guide if end in (None, 1.0) else self._stl(guide)
+        guide = guide if end is None else self._at(end, guide)
         return self._pyro.differentiable_loss(model, guide, *args, **kwargs)
 
     def _not_one_pass(self, why: str) -> None:
@@ -649,8 +664,6 @@ class TraceEnumAdaptiveSTL_ELBO(TraceAdaptiveSTL_ELBO):
         if self.max_plate_nesting != math.inf:  # (else TraceEnum_ELBO keeps the one it guessed)
             self._pyro.max_plate_nesting = self.max_plate_nesting
 
-    def _endpoint(self, end: float, model, guide, args, kwargs) -> float:
+    def _endpoint(self, end, model, guide, args, kwargs) -> float:
         self._sync()
-        return self._pyro.loss_and_grads(
-            model, guide if end == 1.0 else self._stl(guide), *args, **kwargs
-        )
+        return self._pyro.loss_and_grads(model, self._at(end, guide), *args, **kwargs)

@@ -54,23 +54,38 @@ def _delta_error(name: str) -> DeltaDensityError:
 
 
 def site_pathwise(
-    name: str, fn, value: torch.Tensor, earlier: list, nodes: dict, preimage=None, tracing=None
+    name: str,
+    fn,
+    value: torch.Tensor,
+    earlier: list,
+    nodes: dict,
+    preimage=None,
+    tracing=None,
+    keep=(),
 ):
     """The pathwise :class:`~pyro.distributions.score_parts.ScoreParts` of one site with a random draw (unscaled).
 
     ``earlier``: the samples drawn before this one; ``nodes``: the run's samples' autograd
     nodes -> index; ``preimage``: what the handler recorded when it drew the sample (a
-    flow's path); ``tracing``: ``torch.jit.is_tracing()`` (computed where not given). Returns the parts (detached copy, forward-carried flow rule, or the two JIT
-    evaluations), or for a site the split node evaluates with the run's others a plain tuple:
-    the indices of the earlier samples it may read. Raises ``NotImplementedError`` for a conditional site under the JIT.
+    flow's path); ``tracing``: ``torch.jit.is_tracing()`` (computed where not given);
+    ``keep``: the family's parameters (``"loc"``, ``"scale"``) whose score part stays (a
+    plain family reading no earlier sample only). Returns the parts (detached copy,
+    forward-carried flow rule, or the two JIT evaluations), or for a site the split node
+    evaluates with the run's others a plain tuple: the indices of the earlier samples it may
+    read. Raises ``NotImplementedError`` for a conditional site under the JIT.
     """
     if tracing is None:
         tracing = torch.jit.is_tracing()
     params: list[torch.Tensor] = []
-    copy = detached_copy(fn, value, params)  # None where fn is not a plain family
+    copy = detached_copy(fn, value, params, keep)  # None where fn is not a plain family
+    ups = _upstream(params, nodes) if copy is not None and earlier else ()
+    if keep and (copy is None or ups):
+        raise ValueError(
+            f"guide site '{name}': keeping the score part at {sorted(keep)} needs a plain "
+            "family whose parameters read no earlier sample"
+        )
     if copy is not None:
-        ups = _upstream(params, nodes) if earlier else ()  # (a sample reads none drawn later)
-        if not ups:
+        if not ups:  # (a sample reads none drawn later)
             lp = copy.log_prob(value)
             parts = PathwiseParts(lp, 0, lp)
             parts.conditional = False
@@ -203,7 +218,9 @@ class RunSite:
         return self.earlier[: self.index]
 
 
-def evaluate_run(sites: list[RunSite], earlier: list, nodes: dict, fallback=None, run=None) -> None:
+def evaluate_run(
+    sites: list[RunSite], earlier: list, nodes: dict, fallback=None, run=None, keep=None
+) -> None:
     """Set each site's ``parts`` (unscaled pathwise :class:`ScoreParts`; None: ordinary).
 
     ``earlier``: every sample of the run with an autograd node, in draw order; ``nodes``:
@@ -211,6 +228,7 @@ def evaluate_run(sites: list[RunSite], earlier: list, nodes: dict, fallback=None
     ``fallback(name, error) -> bool``: whether a site that cannot be split takes its
     ordinary parts (else the error is raised, naming the site). ``run``: every site of the
     run (``sites`` are those not evaluated yet), which a structured guide's map reads.
+    ``keep``: ``{site name: parameters whose score part stays}`` (:func:`site_pathwise`).
     """
     items: list[tuple[RunSite, tuple]] = []  # (site, upstream indices)
     owners: dict[int, object] = {}
@@ -219,7 +237,10 @@ def evaluate_run(sites: list[RunSite], earlier: list, nodes: dict, fallback=None
         if s.owner is not None:  # a structured guide's Delta: evaluated through its map
             owners[id(s.owner)] = s.owner
             continue
-        out = site_pathwise(s.name, s.fn, s.value, earlier[: s.index], nodes, s.preimage, tracing)
+        out = site_pathwise(
+            s.name, s.fn, s.value, earlier[: s.index], nodes, s.preimage, tracing,
+            keep.get(s.name, ()) if keep else (),
+        )  # fmt: skip
         if type(out) is tuple:
             items.append((s, out))
         else:

@@ -101,7 +101,7 @@ class _Run:
     """The samples of one guide run in draw order; its sites' parts are evaluated together when
     the first is asked for (every sample is known by then)."""
 
-    def __init__(self, stl: bool, fallback) -> None:
+    def __init__(self, stl: bool, fallback, keep=None) -> None:
         self.earlier: list[torch.Tensor] = []
         self.nodes: dict = {}
         self.changed = False  # a random draw sticks the landing
@@ -109,6 +109,7 @@ class _Run:
         self.pending: list[RunSite] = []
         self.stl = stl  # sticking the landing is on in this run (the policy, at its start)
         self.fallback = fallback
+        self.keep = keep  # {site name: parameters whose score part stays}
 
     def add(self, value) -> None:
         if isinstance(value, torch.Tensor) and value.grad_fn is not None:
@@ -119,7 +120,7 @@ class _Run:
         pending, self.pending = self.pending, []
         for s in pending:
             s.parts = None
-        evaluate_run(pending, self.earlier, self.nodes, self.fallback, self.sites)
+        evaluate_run(pending, self.earlier, self.nodes, self.fallback, self.sites, self.keep)
 
 
 class STLPolicy:
@@ -147,11 +148,15 @@ class STLPolicy:
 
     :param owner: the name the warnings use.
     :param trace_steps: number of initial steps with the ordinary gradient (``>= 0``).
+    :param keep: ``{site name: names of its family's parameters}`` whose score part stays
+        (a plain family reading no earlier sample, e.g. ``{"z": {"loc"}}``: the ordinary
+        gradient at ``z``'s ``loc``, the pathwise one at its ``scale``).
     """
 
-    def __init__(self, owner: str, trace_steps: int = 0):
+    def __init__(self, owner: str, trace_steps: int = 0, keep: dict | None = None):
         self.owner = owner
         self.trace_steps = check_int(trace_steps, "trace_steps", owner, minimum=0)
+        self.keep = keep
         self.steps = 0
         self._warned: set[str] = set()
 
@@ -301,7 +306,8 @@ class StickTheLandingMessenger(Messenger):
     def __enter__(self):
         if not self._owned:
             check_elbo(calling_elbo())
-        self._run = _Run(self._policy.active, self._policy.fallback)
+        policy = self._policy
+        self._run = _Run(policy.active, policy.fallback, policy.keep)
         return super().__enter__()
 
     # per site and step: exact type checks, no isinstance against Pyro's ABCs, few calls

@@ -12,7 +12,10 @@ cells under Pyro's ELBOs are in ``tests/poutine/test_stick_the_landing.py``), so
 * ``gate``: a quiet gate's step at each endpoint equals its reference and measures nothing;
 * ``switch``: ``mix_gain=math.inf`` with its gate held open: every step of 12 is one of the
   two references;
-* ``mix``: per-element weights: element by element ``(1 - b) * STL + b * TraceEnum``.
+* ``mix``: per-element weights: element by element ``(1 - b) * STL + b * TraceEnum``;
+* ``split``: a settled fit at 1 on one Normal parameter and 0 on the others: the direct step
+  (and ``differentiable_loss``) is ``TraceEnum``'s gradient at that parameter and STL's at
+  the others, and measures nothing.
 
 Cases: a two-component mixture with ``AutoNormal`` on the continuous sites (Pyro's GMM
 tutorial pattern), and a hand-written mean-field guide of a mixture with a scale parameter.
@@ -193,6 +196,43 @@ def check_mix(name):
         _close(g[p], (1 - w) * stl[p] + w * trace[p], f"{name}: per-element weights, {p}")
 
 
+def check_split(name):
+    model, guide = _build(name)
+    elbo = _ours()
+    open_gate(elbo.schedule.gate)
+    for seed in range(100, 102):
+        _grads(elbo, model, guide, seed)
+    cv = elbo.control_variate
+    (key,) = cv.state
+    st = cv.state[key]
+    st["n"] = 10**6
+    names = [k for k, _ in cv.layouts[key]]
+    at_one = {names[0]}  # one Normal parameter keeps its score part, every other drops it
+    b = torch.cat([torch.full((math.prod(s),), float(k in at_one)) for k, s in cv.layouts[key]])
+    cv.fit(key).update(b=b, constant=None, ends=frozenset(at_one), ratio=1.0, views=None)
+    st["age"] = -(10**6)
+    elbo.schedule.unmeasured = 0
+    assert elbo.schedule.endpoint(cv)[0] == frozenset(at_one), f"{name}: not a split"
+    n0 = st["n"]
+    g = _grads(elbo, model, guide, 7, by_name=True)
+    assert st["n"] == n0, f"{name}: the split's direct step measured"
+    enum = TraceEnum_ELBO(max_plate_nesting=1)
+    stl = _grads(enum, model, stick_the_landing(guide), 7, by_name=True)
+    trace = _grads(enum, model, guide, 7, by_name=True)
+    for k in names:
+        p = PARAM_OF[name](k)
+        _close(g[p], (trace if k in at_one else stl)[p], f"{name}: split at {sorted(at_one)}, {p}")
+    # differentiable_loss takes the same split
+    params = dict(pyro.get_param_store().named_parameters())
+    pyro.set_rng_seed(7)
+    loss = elbo.differentiable_loss(model, guide, DATA)
+    gs = dict(zip(params, torch.autograd.grad(loss, list(params.values()), allow_unused=True)))
+    for k in names:
+        p = PARAM_OF[name](k)
+        ref = (trace if k in at_one else stl)[p]
+        _close(gs[p], ref, f"{name}: differentiable_loss at the split, {p}")
+
+
 CHECKS = {
     "first": check_first,
     "frozen": check_frozen,
@@ -200,6 +240,7 @@ CHECKS = {
     "gate": check_gate,
     "switch": check_switch,
     "mix": check_mix,
+    "split": check_split,
 }
 CELLS = [(n, k) for n in CASES for k in CHECKS]
 

@@ -1358,8 +1358,9 @@ def test_schedule_config_sets_when_settled_steps_measure():
 def test_a_tensor_whose_mean_gradient_dominates_keeps_trace_elbo_while_another_takes_stl():
     """Step 5 in training: one site far from its posterior (its ``loc`` gradient is mostly
     mean), one at its posterior (STL's gradient there is exact). The fit keeps ``Trace_ELBO``'s
-    gradient on the first ``loc`` and takes STL's on the second, and each step applies, on the
-    same draws, ``Trace_ELBO``'s gradient there, STL's here and ``p + b c`` elsewhere."""
+    gradient on the first site and takes STL's on the second; the schedule takes that split
+    directly (no step measures), and each step applies, on the same draws, ``Trace_ELBO``'s
+    gradient there and STL's here."""
     D, n = 4, 10
     x = torch.linspace(-1.0, 1.0, n)[:, None] + torch.arange(D, dtype=torch.float32)
     post_sd, post_mean = (1.0 / (1 + n)) ** 0.5, x.sum(0) / (1 + n)
@@ -1387,19 +1388,109 @@ def test_a_tensor_whose_mean_gradient_dominates_keeps_trace_elbo_while_another_t
     (key,) = cv.state
     b = {k: v for k, v in cv.split(key, cv.fit(key)["b"]).items()}
     assert bool((b["a.loc"] == 1).all()) and bool((b["b.loc"] == 0).all())
-    assert bool((b["b.scale"] == 0).all())
-    assert elbo.schedule.endpoint(cv)[0] is None  # no single endpoint: every step measures
+    assert bool((b["b.scale"] == 0).all()) and bool((b["a.scale"] == 1).all())
+    assert elbo.schedule.endpoint(cv)[0] == frozenset({"a.loc", "a.scale"})  # a split
+    measured = cv.count(key)
     for seed in range(3):
         ours = grads_on_seed(elbo, model, guide, seed)
         trace = grads_on_seed(PyroTrace_ELBO(), model, guide, seed)
         stl = grads_on_seed(TraceSTL_ELBO(), model, guide, seed)
-        torch.testing.assert_close(ours["loc_a"], trace["loc_a"])
-        torch.testing.assert_close(ours["loc_b"], stl["loc_b"])
-        torch.testing.assert_close(ours["scale_b"], stl["scale_b"])
-        w = b["a.scale"]  # per element, in the Normal's scale; the constraint is elementwise
-        torch.testing.assert_close(
-            ours["scale_a"], stl["scale_a"] + w * (trace["scale_a"] - stl["scale_a"])
+        for name, ref in (("loc_a", trace), ("scale_a", trace), ("loc_b", stl), ("scale_b", stl)):
+            torch.testing.assert_close(ours[name], ref[name], msg=name)
+    assert cv.count(key) == measured  # direct steps
+
+
+def _fit_at_split(elbo, at_one):
+    """Settled, the fit at 1 on the tensors named in ``at_one`` and 0 on the others (a split
+    from step 5); kept for the whole test."""
+    cv = elbo.control_variate
+    (key,) = cv.state
+    cv.state[key]["n"] = 10**6
+    fit = cv.fit(key)
+    b = torch.cat([torch.full((math.prod(s),), float(n in at_one)) for n, s in cv.layouts[key]])
+    fit.update(b=b, constant=None, ends=frozenset(at_one), ratio=1.0, views=None)
+    cv.state[key]["age"] = -(10**6)
+    elbo.schedule.unmeasured = 0
+    return key
+
+
+def test_a_split_direct_step_keeps_the_score_part_at_the_tensors_at_one_only():
+    """A direct step at a split (``z.loc`` at 1, ``z.scale`` and ``w``'s at 0) is the gradient
+    of the hand-written surrogate ``log p(x, z, w) - log q(z; loc, stop(scale)) - log q(w;
+    stop(loc_w), stop(scale_w))`` on the same draws; it measures nothing."""
+    x = torch.tensor([0.3, -1.2, 0.8, 2.0])
+
+    def model():
+        z = pyro.sample("z", dist.Normal(torch.zeros(2), 1.0).to_event(1))
+        w = pyro.sample("w", dist.LogNormal(0.0, 1.0))
+        with pyro.plate("d", 4):
+            pyro.sample("x", dist.Normal(z.sum(), w), obs=x)
+
+    def guide():
+        loc = pyro.param("loc", torch.tensor([0.2, -0.1]))
+        scale = pyro.param("scale", torch.tensor([0.8, 0.5]), constraint=constraints.positive)
+        loc_w = pyro.param("loc_w", torch.tensor(0.1))
+        scale_w = pyro.param("scale_w", torch.tensor(0.3), constraint=constraints.positive)
+        pyro.sample("z", dist.Normal(loc, scale).to_event(1))
+        pyro.sample("w", dist.LogNormal(loc_w, scale_w))
+
+    pyro.clear_param_store()
+    elbo = TraceAdaptiveSTL_ELBO()
+    gate = elbo.schedule.gate
+    gate.known, gate.bound = (lambda: True), (lambda: math.inf)  # every step measures
+    for seed in range(3):  # measured steps name the tensors
+        grads_on_seed(elbo, model, guide, seed)
+    assert elbo.schedule.sites  # one pass: the names are the sites' parameters
+    key = _fit_at_split(elbo, {"z.loc"})
+    assert elbo.schedule.endpoint(elbo.control_variate)[0] == frozenset({"z.loc"})
+    measured = elbo.control_variate.count(key)
+    for seed in (10, 11):
+        ours = grads_on_seed(elbo, model, guide, seed)
+        pyro.set_rng_seed(seed)  # the same draws, by hand
+        store = pyro.get_param_store()
+        loc, scale, loc_w, scale_w = (store[n] for n in ("loc", "scale", "loc_w", "scale_w"))
+        z = loc + scale * torch.randn(2)
+        w = (loc_w + scale_w * torch.randn(())).exp()
+        log_p = (
+            dist.Normal(0.0, 1.0).log_prob(z).sum()
+            + dist.LogNormal(0.0, 1.0).log_prob(w)
+            + dist.Normal(z.sum(), w).log_prob(x).sum()
         )
+        log_q = dist.Normal(loc, scale.detach()).log_prob(z).sum() + dist.LogNormal(
+            loc_w.detach(), scale_w.detach()
+        ).log_prob(w)
+        names = ["loc", "scale", "loc_w", "scale_w"]
+        leaves_ = [store.get_param(n).unconstrained() for n in names]
+        ref = torch.autograd.grad(-(log_p - log_q), leaves_)
+        for n, r in zip(names, ref):
+            torch.testing.assert_close(ours[n], r, msg=n)
+    assert elbo.control_variate.count(key) == measured  # direct steps
+
+
+def test_two_backward_measured_steps_take_no_split():
+    """With vectorized particles the measured steps form the parts per param-store tensor (a
+    second backward), which a direct step cannot split: the schedule keeps measuring."""
+
+    def model():
+        pyro.sample("z", dist.Normal(torch.zeros(2), 1.0).to_event(1))
+
+    def guide():
+        loc = pyro.param("loc", torch.tensor([0.2, -0.1]))
+        scale = pyro.param("scale", torch.tensor([0.8, 0.5]), constraint=constraints.positive)
+        pyro.sample("z", dist.Normal(loc, scale).to_event(1))
+
+    pyro.clear_param_store()
+    elbo = TraceAdaptiveSTL_ELBO(num_particles=2, vectorize_particles=True)
+    gate = elbo.schedule.gate
+    gate.known, gate.bound = (lambda: True), (lambda: math.inf)  # every step measures
+    for seed in range(3):
+        grads_on_seed(elbo, model, guide, seed)
+    assert not elbo.schedule.sites
+    key = _fit_at_split(elbo, {"loc"})
+    assert elbo.schedule.endpoint(elbo.control_variate)[0] is None
+    before = elbo.control_variate.count(key)
+    grads_on_seed(elbo, model, guide, 7)
+    assert elbo.control_variate.count(key) == before + 1  # it measured
 
 
 def test_a_tensor_outside_the_param_store_gets_stls_gradient_on_a_measured_step():
