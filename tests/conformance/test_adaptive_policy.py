@@ -8,10 +8,12 @@ for a frozen ``b`` the same-draw reference is ``(1 - b) * STL + b * Trace`` (Pyr
 * ``first``: a fresh default estimator's first step equals Pyro's ``Trace_ELBO`` on the same seed
   (the policy starts at ``b = 1``);
 * ``frozen``: with ``b`` frozen at -0.5 and at 2 the gradient equals the same-draw reference
-  above (so the mean gradient is ``Trace_ELBO``'s for any frozen ``b``). The first step forms
-  the parts with a second backward; the second, on the cases in :data:`ONE_PASS` (every
-  score-bearing guide site a plain ``Normal`` whose parameters read no sample), in one
-  backward (hooks at the ``Normal``'s parameters): the cell also checks which path it took;
+  above (so the mean gradient is ``Trace_ELBO``'s for any frozen ``b``), with the case's
+  vectorized particles and, on the cases in :data:`ONE_PASS` (every score-bearing guide site
+  a plain ``Normal`` whose parameters read no sample), with one particle too. The first step
+  forms the parts with a second backward; with one particle the second step of a
+  :data:`ONE_PASS` case takes one backward (hooks at the ``Normal``'s parameters), vectorized
+  particles a second backward: the cell also checks which path it took;
 * ``direct``: a direct step (the policy predicts the better endpoint is within ``mix_gain`` of
   the mixed weights) equals Pyro's ``Trace_ELBO`` / the STL reference on the same seed, for a
   forced choice of each endpoint;
@@ -22,6 +24,9 @@ for a frozen ``b`` the same-draw reference is ``(1 - b) * STL + b * Trace`` (Pyr
   measures: every step, warm-up, fresh phase and settled, is one whole estimator's gradient,
   Pyro's ``Trace_ELBO``'s or the STL reference's, on the same seed; ``switch_uncentered``: the
   same with ``center=False`` (the fit through 0 never makes the switch mix);
+* ``split`` (the :data:`ONE_PASS` cases, one particle): the fit at 1 on one ``Normal``
+  parameter and at 0 on the others: the direct step is Pyro's ``Trace_ELBO`` gradient at the
+  coordinates that parameter reads and the STL reference's elsewhere, and measures nothing;
 * ``zero``: at the exact posterior (where the guide family holds it) the default policy moves to
   STL after its warm-up, and the guide parameters' gradient is then zero to round-off.
 """
@@ -29,7 +34,9 @@ for a frozen ``b`` the same-draw reference is ``(1 - b) * STL + b * Trace`` (Pyr
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
+import pyro
 import pytest
 import torch
 
@@ -112,6 +119,11 @@ def _stl_reference(c, case, seed):
 
 
 def check_frozen(case):
+    for each in (case, replace(case, particles=1)) if case.name in ONE_PASS else (case,):
+        _check_frozen(each)
+
+
+def _check_frozen(case):
     with cell(case) as c:
         if _probe(c, "Adaptive", c.model, c.guide, case.raise_for("Adaptive", False)):
             return
@@ -129,11 +141,17 @@ def check_frozen(case):
                     rtol=rtol * 10,
                     atol=atol * 10 * (1 + abs(b)),
                     msg=lambda m, b=b, seed=seed: (
-                        f"{case.name}: b frozen at {b} != (1 - b) STL + b Trace (seed {seed})\n{m}"
+                        f"{case.name} ({case.particles} particles): b frozen at {b} != "
+                        f"(1 - b) STL + b Trace (seed {seed})\n{m}"
                     ),
                 )
             assert bool(elbo.schedule.one_pass) == (case.name in ONE_PASS), (
                 f"{case.name}: measured steps in one pass: {elbo.schedule.one_pass}"
+            )
+            one_pass = case.name in ONE_PASS and case.particles == 1  # (not vectorized)
+            assert elbo.schedule.sites == one_pass, (
+                f"{case.name} ({case.particles} particles): the second step took "
+                f"{'a second backward' if one_pass else 'one pass'}"
             )
 
 
@@ -210,6 +228,67 @@ def check_gate(case):
     _check_endpoint_steps(case, 1, _quiet_gate, "gate's step")
 
 
+def _fed(c, guide_trace, names) -> torch.Tensor:
+    """Which coordinates of the flat gradient the Normal parameters ``names`` (``"<site>.loc"``,
+    ...) of ``guide_trace``'s sites read (non-zero derivative)."""
+    leaves = [p for _, p in c.names]
+    out = torch.zeros(sum(p.numel() for p in leaves), dtype=torch.bool)
+    for name in names:
+        site, part = name.rsplit(".", 1)
+        fn = guide_trace.nodes[site]["fn"]
+        while not isinstance(fn, torch.distributions.Normal):
+            fn = fn.base_dist
+        t = getattr(fn, part)
+        gs = torch.autograd.grad(t.sum(), leaves, allow_unused=True, retain_graph=True)
+        out |= torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1) != 0
+                          for g, p in zip(gs, leaves)])  # fmt: skip
+    return out
+
+
+def check_split(case):
+    """One Normal parameter at 1, every other at 0: the direct step is Trace_ELBO's gradient at
+    the coordinates that parameter reads and STL's elsewhere, and measures nothing."""
+    case = replace(case, particles=1)  # one-pass measured steps (a split needs them)
+    with cell(case) as c:
+        if _probe(c, "Adaptive", c.model, c.guide, case.raise_for("Adaptive", False)):
+            return
+        elbo = _default(case)
+        open_gate(elbo.schedule.gate)
+        for seed in (100, 101, 102):  # two backwards on the first, then one pass
+            _ours(c, elbo, seed)
+        cv = elbo.control_variate
+        if not cv.state:
+            return  # no score part anywhere: nothing to choose
+        assert elbo.schedule.sites, f"{case.name}: the measured steps took a second backward"
+        (key,) = cv.state
+        st = cv.state[key]
+        st["n"] = 10**6
+        names = [n for n, _ in cv.layouts[key]]
+        at_one = {names[0]}
+        b = torch.cat([torch.full((math.prod(s),), float(n in at_one)) for n, s in cv.layouts[key]])
+        cv.fit(key).update(b=b.to(st["buf"]), constant=None, ends=frozenset(at_one), ratio=1.0,
+                           views=None)  # fmt: skip
+        st["age"] = -(10**6)
+        elbo.schedule.unmeasured = 0
+        n0 = st["n"]
+        g = _ours(c, elbo, 1)
+        assert st["n"] == n0, f"{case.name}: the split's direct step measured"
+        guide_trace = seeded(1, lambda: pyro.poutine.trace(c.guide).get_trace(*c.args))
+        kept = _fed(c, guide_trace, at_one)
+        rest = _fed(c, guide_trace, [n for n in names if n not in at_one])
+        assert not (kept & rest).any(), f"{case.name}: {names[0]} shares coordinates"
+        trace = reference_grad(c, "Trace", 1, c.model, c.guide)
+        ref = torch.where(kept, trace, _stl_reference(c, case, 1))
+        rtol, atol = _tols(case.dtype)
+        torch.testing.assert_close(
+            g,
+            ref,
+            rtol=rtol * 10,
+            atol=atol * 10,
+            msg=lambda m: f"{case.name}: the split at {names[0]} != its reference\n{m}",
+        )
+
+
 def check_switch(case, center=True):
     with cell(case) as c:
         if _probe(c, "Adaptive", c.model, c.guide, case.raise_for("Adaptive", False)):
@@ -254,6 +333,8 @@ def _cells():
             continue  # the matrix's raises cells cover these
         out += [(case, "first"), (case, "frozen"), (case, "direct"), (case, "gate")]
         out += [(case, "switch"), (case, "switch_uncentered")]
+        if case.name in ONE_PASS:
+            out.append((case, "split"))
         if case.build_has_exact:
             out.append((case, "zero"))
     return out
@@ -267,4 +348,4 @@ def test_adaptive_policy(case, check):
     checks = {"first": check_first, "frozen": check_frozen, "direct": check_direct}
     checks["gate"], checks["switch"] = check_gate, check_switch
     checks["switch_uncentered"] = lambda case: check_switch(case, center=False)
-    {**checks, "zero": check_zero}[check](case)
+    {**checks, "zero": check_zero, "split": check_split}[check](case)
