@@ -231,6 +231,25 @@ def test_jit_conditional_site_raises_clearly():
         pinfer.JitTrace_ELBO().loss_and_grads(model, stick_the_landing(guide))
 
 
+@pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")
+@pytest.mark.parametrize("Guide", ["AutoStructured", "AutoGaussian"])
+def test_jit_structured_guide_raises_clearly(Guide):
+    """A structured guide's Delta reads earlier samples through the guide's map: under the JIT
+    ELBOs it raises naming the site and the non-JIT ELBOs (not torch's own error from inside
+    the map)."""
+    from pyro.infer import autoguide
+
+    def model():
+        x = pyro.sample("x", dist.Normal(0.0, 1.0))
+        with pyro.plate("data", 2):
+            pyro.sample("y", dist.Normal(x, 1.0))
+
+    pyro.clear_param_store()
+    guide = getattr(autoguide, Guide)(model)
+    with pytest.raises(NotImplementedError, match="site '(x|y)'.*JIT.*Trace_ELBO"):
+        pinfer.JitTrace_ELBO().loss_and_grads(model, stick_the_landing(guide))
+
+
 def test_no_reparameterized_site_warns():
     def model():
         pyro.sample("k", dist.Poisson(3.0))
