@@ -13,7 +13,6 @@ log-density at a detached value must require no gradient).
 from __future__ import annotations
 
 import copy
-from collections.abc import Collection
 
 import torch
 from pyro.distributions import Delta
@@ -129,10 +128,7 @@ def param_tensors(fn: Distribution) -> list[torch.Tensor]:
 
 
 def detached_copy(
-    fn: Distribution,
-    value: torch.Tensor | None = None,
-    params: list | None = None,
-    keep: Collection[str] = (),
+    fn: Distribution, value: torch.Tensor | None = None, params: list | None = None, keep=()
 ) -> Distribution | None:
     r"""A copy of ``fn`` whose parameters are stopped, or ``None`` if ``fn`` does not qualify.
 

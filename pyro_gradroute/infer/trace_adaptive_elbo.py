@@ -229,12 +229,10 @@ class _Adaptive:
             return guide
         cached = self.__dict__.get("_stl_guide")
         if cached is None or cached[0] is not guide or cached[1] != end:
-            keep: dict[str, set] | None = None
-            if isinstance(end, frozenset):
-                keep = {}
-                for name in end:
-                    site, part = name.rsplit(".", 1)
-                    keep.setdefault(site, set()).add(part)
+            keep: dict[str, set] = {}
+            for name in end if isinstance(end, frozenset) else ():
+                site, part = name.rsplit(".", 1)
+                keep.setdefault(site, set()).add(part)
             handler = StickTheLandingMessenger(_policy=STLPolicy(type(self).__name__, keep=keep))
             cached = self._stl_guide = (guide, end, handler(guide))
         return cached[2]

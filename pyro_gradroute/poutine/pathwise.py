@@ -54,15 +54,9 @@ def _delta_error(name: str) -> DeltaDensityError:
 
 
 def site_pathwise(
-    name: str,
-    fn,
-    value: torch.Tensor,
-    earlier: list,
-    nodes: dict,
-    preimage=None,
-    tracing=None,
+    name: str, fn, value: torch.Tensor, earlier: list, nodes: dict, preimage=None, tracing=None,
     keep=(),
-):
+):  # fmt: skip
     """The pathwise :class:`~pyro.distributions.score_parts.ScoreParts` of one site with a random draw (unscaled).
 
     ``earlier``: the samples drawn before this one; ``nodes``: the run's samples' autograd
