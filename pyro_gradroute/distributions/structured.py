@@ -67,6 +67,13 @@ def _stopped_call(name: str, up: str, module, x):
         why = f"AutoStructured's dependency on '{up}' is a callable that is not a torch.nn.Module"
         use = "dependencies='linear' or an nn.Module, or " + _TRACE
         raise _refuse(name, why + " (it cannot be evaluated with its parameters stopped)", use)
+    if torch.jit.is_tracing():  # (torch.func cannot call a module inside a traced program)
+        raise NotImplementedError(
+            f"guide site '{name}': AutoStructured's dependency on '{up}' is evaluated with its "
+            "parameters stopped, which cannot be done inside a program traced by the JIT. Use "
+            "the non-JIT ELBO (Trace_ELBO, TraceGraph_ELBO, TraceEnum_ELBO) with "
+            "stick_the_landing, or pyro_gradroute.infer.TraceSTL_ELBO"
+        )
     params = {k: v.detach() for k, v in module.named_parameters()}
     params.update({k: v for k, v in module.named_buffers()})
     return torch.func.functional_call(module, params, (x,))

@@ -229,8 +229,6 @@ def evaluate_run(
     tracing = torch.jit.is_tracing()
     for s in sites:
         if s.owner is not None:  # a structured guide's Delta: evaluated through its map
-            if tracing:  # (the map reads earlier samples: a conditional site)
-                raise _conditional_under_jit(s.name)
             owners[id(s.owner)] = s.owner
             continue
         out = site_pathwise(
