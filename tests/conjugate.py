@@ -160,6 +160,22 @@ def gradient_draws(elbo, model, guide, num_draws, *args):
     return torch.stack(out)
 
 
+def settle_at_split(elbo, at_one) -> str:
+    """An adaptive estimator's fit, settled at 1 on the tensors named in ``at_one`` and at 0 on
+    the others (a split from step 5), kept for the rest of the test; its next step is direct.
+    Returns the moments' key."""
+    cv = elbo.control_variate
+    (key,) = cv.state
+    st = cv.state[key]
+    st["n"] = 10**6
+    fit = cv.fit(key)
+    b = torch.cat([torch.full((math.prod(s),), float(n in at_one)) for n, s in cv.layouts[key]])
+    fit.update(b=b.to(st["buf"]), constant=None, ends=frozenset(at_one), ratio=1.0, views=None)
+    st["age"] = -(10**6)
+    elbo.schedule.unmeasured = 0
+    return key
+
+
 def exact_gradient(neg_elbo_fn):
     """Gradient of a closed-form negative ELBO with respect to the param-store leaves."""
     ps = [p for _, p in leaves()]

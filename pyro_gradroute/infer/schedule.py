@@ -167,20 +167,8 @@ class Schedule:
         if key is None or not cv.settled(key) or cv.fixed_weight is not None:
             return None, 1.0
         fit = cv.fit(key)
-        if fit is None:
-            return 1.0, 1.0
-        if self.mix_gain == math.inf:
-            s_mix, s0, s1 = fit["moments"]
-            return (0.0 if s0 <= s1 else 1.0), 1.0
-        return self._end(fit), fit["ratio"]
-
-    def _end(self, fit: dict) -> float | frozenset | None:
-        """The fit's endpoint: the weight every element takes, else a split where the names
-        are guide sites' parameters (a direct step can keep their score parts), else None."""
-        end = fit["constant"]
-        if end is None and self.sites and not self.routed:
-            end = fit.get("ends")
-        return end
+        ratio = 1.0 if fit is None or self.mix_gain == math.inf else fit["ratio"]
+        return self.constant(cv, key), ratio
 
     def constant(self, cv, key: str) -> float | frozenset | None:
         """The weight every element of ``key`` takes on the next measured step, where they all
@@ -193,7 +181,10 @@ class Schedule:
         if self.mix_gain == math.inf:  # a switch: the endpoint predicted better
             s_mix, s0, s1 = fit["moments"]
             return 0.0 if s0 <= s1 else 1.0
-        return self._end(fit)
+        end = fit["constant"]
+        if end is None and self.sites and not self.routed:  # a split, where the names are
+            end = fit.get("ends")  # sites' parameters (a direct step keeps their score parts)
+        return end
 
     def weights(self, cv, names: list[str], likes: list[torch.Tensor]) -> list[torch.Tensor]:
         """The weights a measured step applies: the fit's, or its endpoint in switch mode."""

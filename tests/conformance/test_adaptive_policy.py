@@ -42,6 +42,7 @@ import torch
 
 from pyro_gradroute.infer import TraceAdaptiveSTL_ELBO, TraceSTL_ELBO
 
+from ..conjugate import settle_at_split
 from .cases import CASES
 from .checks import (
     ZERO_TOL,
@@ -261,15 +262,9 @@ def check_split(case):
             return  # no score part anywhere: nothing to choose
         assert elbo.schedule.sites, f"{case.name}: the measured steps took a second backward"
         (key,) = cv.state
-        st = cv.state[key]
-        st["n"] = 10**6
         names = [n for n, _ in cv.layouts[key]]
         at_one = {names[0]}
-        b = torch.cat([torch.full((math.prod(s),), float(n in at_one)) for n, s in cv.layouts[key]])
-        cv.fit(key).update(b=b.to(st["buf"]), constant=None, ends=frozenset(at_one), ratio=1.0,
-                           views=None)  # fmt: skip
-        st["age"] = -(10**6)
-        elbo.schedule.unmeasured = 0
+        st = cv.state[settle_at_split(elbo, at_one)]
         n0 = st["n"]
         g = _ours(c, elbo, 1)
         assert st["n"] == n0, f"{case.name}: the split's direct step measured"

@@ -37,6 +37,7 @@ from torch.distributions import constraints
 from pyro_gradroute.infer import TraceEnumAdaptiveSTL_ELBO
 from pyro_gradroute.poutine import block_grad, stick_the_landing
 
+from ..conjugate import settle_at_split
 from .test_adaptive_policy import _quiet_gate, _settled_as_good, open_gate
 
 DATA = torch.tensor([-2.1, -1.8, -2.4, -0.3, 1.9, 2.2, 2.5, 0.4])
@@ -204,14 +205,9 @@ def check_split(name):
         _grads(elbo, model, guide, seed)
     cv = elbo.control_variate
     (key,) = cv.state
-    st = cv.state[key]
-    st["n"] = 10**6
     names = [k for k, _ in cv.layouts[key]]
     at_one = {names[0]}  # one Normal parameter keeps its score part, every other drops it
-    b = torch.cat([torch.full((math.prod(s),), float(k in at_one)) for k, s in cv.layouts[key]])
-    cv.fit(key).update(b=b, constant=None, ends=frozenset(at_one), ratio=1.0, views=None)
-    st["age"] = -(10**6)
-    elbo.schedule.unmeasured = 0
+    st = cv.state[settle_at_split(elbo, at_one)]
     assert elbo.schedule.endpoint(cv)[0] == frozenset(at_one), f"{name}: not a split"
     n0 = st["n"]
     g = _grads(elbo, model, guide, 7, by_name=True)

@@ -28,7 +28,7 @@ from pyro_gradroute.infer import (
 from pyro_gradroute.infer.control_variate import ControlVariate
 from pyro_gradroute.infer.schedule import Gate, Schedule
 from pyro_gradroute.poutine import block_grad
-from tests.conjugate import GaussianModel, gradient_draws, leaves
+from tests.conjugate import GaussianModel, gradient_draws, leaves, settle_at_split
 
 # ------------------------------------------------------------------ helpers
 
@@ -1400,20 +1400,6 @@ def test_a_tensor_whose_mean_gradient_dominates_keeps_trace_elbo_while_another_t
     assert cv.count(key) == measured  # direct steps
 
 
-def _fit_at_split(elbo, at_one):
-    """Settled, the fit at 1 on the tensors named in ``at_one`` and 0 on the others (a split
-    from step 5); kept for the whole test."""
-    cv = elbo.control_variate
-    (key,) = cv.state
-    cv.state[key]["n"] = 10**6
-    fit = cv.fit(key)
-    b = torch.cat([torch.full((math.prod(s),), float(n in at_one)) for n, s in cv.layouts[key]])
-    fit.update(b=b, constant=None, ends=frozenset(at_one), ratio=1.0, views=None)
-    cv.state[key]["age"] = -(10**6)
-    elbo.schedule.unmeasured = 0
-    return key
-
-
 def test_a_split_direct_step_keeps_the_score_part_at_the_tensors_at_one_only():
     """A direct step at a split (``z.loc`` at 1, ``z.scale`` and ``w``'s at 0) is the gradient
     of the hand-written surrogate ``log p(x, z, w) - log q(z; loc, stop(scale)) - log q(w;
@@ -1441,7 +1427,7 @@ def test_a_split_direct_step_keeps_the_score_part_at_the_tensors_at_one_only():
     for seed in range(3):  # measured steps name the tensors
         grads_on_seed(elbo, model, guide, seed)
     assert elbo.schedule.sites  # one pass: the names are the sites' parameters
-    key = _fit_at_split(elbo, {"z.loc"})
+    key = settle_at_split(elbo, {"z.loc"})
     assert elbo.schedule.endpoint(elbo.control_variate)[0] == frozenset({"z.loc"})
     measured = elbo.control_variate.count(key)
     for seed in (10, 11):
@@ -1486,7 +1472,7 @@ def test_two_backward_measured_steps_take_no_split():
     for seed in range(3):
         grads_on_seed(elbo, model, guide, seed)
     assert not elbo.schedule.sites
-    key = _fit_at_split(elbo, {"loc"})
+    key = settle_at_split(elbo, {"loc"})
     assert elbo.schedule.endpoint(elbo.control_variate)[0] is None
     before = elbo.control_variate.count(key)
     grads_on_seed(elbo, model, guide, 7)
