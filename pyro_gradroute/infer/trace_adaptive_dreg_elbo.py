@@ -81,7 +81,7 @@ class TraceAdaptiveDReG_ELBO(_Adaptive, TraceDReG_ELBO):
         )
 
     def loss_and_grads(self, model, guide, *args, **kwargs) -> float:
-        return self._measure(model, guide, args, kwargs)
+        return self._measured_step(model, guide, args, kwargs)
 
     def _particle_terms(self, model_trace, guide_trace, blocks=None) -> tuple[float, Terms]:
         elbo, terms = super()._particle_terms(model_trace, guide_trace, blocks)

@@ -245,9 +245,9 @@ class _Adaptive:
     def differentiable_loss(self, model, guide, *args, **kwargs) -> torch.Tensor:
         r"""The loss whose gradient is :math:`p + b \odot c`; every call measures and is a
         step of the moments (call it once per step)."""
-        return self._measure(model, guide, args, kwargs, differentiable=True)
+        return self._measured_step(model, guide, args, kwargs, differentiable=True)
 
-    def _measure(self, model, guide, args, kwargs, differentiable: bool = False):
+    def _measured_step(self, model, guide, args, kwargs, differentiable: bool = False):
         r"""A step that forms both parts and applies :math:`p + b \odot c` (into ``.grad``, or
         as the returned loss's gradient where ``differentiable``)."""
         loss, surrogate, one_pass, routed = 0.0, None, True, False
@@ -432,16 +432,16 @@ class TraceAdaptiveSTL_ELBO(_Adaptive, TraceSTL_ELBO):
         """Negative ELBO as a float; accumulates :math:`p + b \\odot c` (or a direct step's gradient)."""
         sch, cv = self.schedule, self.control_variate
         if _ranks(self._distributed) > 1:
-            return self._measure(model, guide, args, kwargs)
+            return self._measured_step(model, guide, args, kwargs)
         sch.check(cv, param_store_leaves())
         step = sch.decide(cv)
         if not step.measure:
-            return self._direct(step, model, guide, args, kwargs)
+            return self._direct_step(step, model, guide, args, kwargs)
         if sch.one_pass and not self.vectorize_particles:
-            return self._one_pass(model, guide, args, kwargs)
-        return self._measure(model, guide, args, kwargs)
+            return self._one_pass_step(model, guide, args, kwargs)
+        return self._measured_step(model, guide, args, kwargs)
 
-    def _direct(self, step, model, guide, args, kwargs) -> float:
+    def _direct_step(self, step, model, guide, args, kwargs) -> float:
         """Endpoint ``step.end``'s own step; where ``step.feed``, its gradient on the last
         measured step's parameters goes into the gate."""
         sch = self.schedule
@@ -472,7 +472,7 @@ class TraceAdaptiveSTL_ELBO(_Adaptive, TraceSTL_ELBO):
     def _not_one_pass(self, why: str) -> None:
         """A trace the one-pass step cannot take; here the step stays ``Trace_ELBO``'s."""
 
-    def _one_pass(self, model, guide, args, kwargs) -> float:
+    def _one_pass_step(self, model, guide, args, kwargs) -> float:
         r"""A measured step in one backward: Pyro's step, with a tap at each guide site's
         :math:`\theta = (\mu, \sigma)` that reads :math:`t = p + c` there (:math:`c` closed-form)
         and sends on :math:`t + (b - 1) c`. Where a trace does not qualify the step is
@@ -635,13 +635,13 @@ class TraceEnumAdaptiveSTL_ELBO(TraceAdaptiveSTL_ELBO):
         self._sync()
         return self._pyro.loss(model, guide, *args, **kwargs)
 
-    def _measure(self, model, guide, args, kwargs, differentiable: bool = False):
+    def _measured_step(self, model, guide, args, kwargs, differentiable: bool = False):
         if _ranks(self._distributed) > 1:
             raise NotImplementedError(
                 f"{type(self).__name__} does not average its parts over ranks; use "
                 "pyro.infer.TraceEnum_ELBO with the guide under stick_the_landing, or one process"
             )
-        return self._one_pass(model, guide, args, kwargs)  # every measured step takes one pass
+        return self._one_pass_step(model, guide, args, kwargs)  # every measured step takes one pass
 
     def differentiable_loss(self, model, guide, *args, **kwargs) -> torch.Tensor:
         end = self.schedule.endpoint(self.control_variate)[0]
