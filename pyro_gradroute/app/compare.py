@@ -13,7 +13,7 @@ parameters:
 * ``heldout_ll``: held-out log-likelihood per observation (:mod:`~pyro_gradroute.diagnostics.heldout`);
 * ``snr_guide`` / ``snr_model``: norm SNR of the estimator's gradient for guide / model
   parameters (:func:`~pyro_gradroute.diagnostics.gradient_stats`), with a 68% bootstrap
-  interval (``snr_*_interval``, see :func:`snr_interval`) and the noise floor ``snr_floor``
+  interval (``snr_*_interval``, see :meth:`~pyro_gradroute.diagnostics.GradientStats.snr_interval`) and the noise floor ``snr_floor``
   :math:`= 1/\sqrt{D}` for ``D`` gradient draws: with a zero mean gradient (the usual state
   at a fit) the norm SNR is about :math:`1/\sqrt{D}`, so an SNR near the floor says the
   mean gradient is not distinguishable from zero, not how noisy the estimator is;
@@ -113,7 +113,7 @@ class EstimatorResult:
     #: total gradient variance (trace of the covariance) over guide / model parameters
     grad_var_guide: float = math.nan
     grad_var_model: float = math.nan
-    #: 68% bootstrap intervals of the norm SNRs (they contain the estimate; see snr_interval)
+    #: 68% bootstrap intervals of the norm SNRs (they contain the estimate; see GradientStats.snr_interval)
     snr_guide_interval: tuple = (math.nan, math.nan)
     snr_model_interval: tuple = (math.nan, math.nan)
     #: Trace_ELBO losses of the shared warm-up (``warmup_steps``), before ``losses``
@@ -292,63 +292,6 @@ def _guide_variance(stats) -> float:
     return total_variance(stats, stats.guide_params)
 
 
-def snr_interval(
-    stats: GradientStats,
-    names: Sequence[str],
-    level: float = 0.68,
-    num_resamples: int = 200,
-    seed: int = 0,
-) -> tuple[float, float]:
-    r"""A bootstrap interval of the norm SNR over ``names`` that contains the estimate.
-
-        The norm SNR :math:`\hat
-    ho = \lVertar g
-    Vert / \sqrt{\sum_i s_i^2}` is biased
-        upwards (:math:`\lVertar g
-    Vert^2` carries :math:`\operatorname{tr}\Sigma / D`), and
-        a resample of the draws adds that bias again: at a fit the bootstrap distribution lies
-        above :math:`\hat
-    ho` (near :math:`\sqrt{2/D}` where :math:`\hat
-    ho pprox 1/\sqrt D`),
-        so a percentile interval, and the basic interval equally, can miss the estimate. This
-        interval is centred on the estimate on the log scale, with the bootstrap's spread:
-        :math:`\hat
-    ho \exp(\pm z\, \mathrm{sd}^*(\log \hat
-    ho^*))`, ``z`` the normal quantile
-        of ``level``. It always contains :math:`\hat
-    ho`, and its width is the bootstrap's.
-        Needs the draws (``keep_draws=True``); ``(nan, nan)`` without draws or names.
-
-        >>> import torch
-        >>> from pyro_gradroute.diagnostics.gradients import GradientStats, ParamGradStats
-        >>> d = torch.randn(20, 3, generator=torch.Generator().manual_seed(0))
-        >>> s = GradientStats({"a": ParamGradStats(d.mean(0), d.var(0))}, ["a"], [], 20,
-        ...                   draws={"a": d})
-        >>> lo, hi = snr_interval(s, ["a"])
-        >>> lo <= s.snr(["a"]) <= hi
-        True
-    """
-    names = list(names)
-    if not names or stats.draws is None:
-        return math.nan, math.nan
-    est = stats.snr(names)
-    if not (math.isfinite(est) and est > 0):
-        return est, est
-    D = stats.num_draws
-    flat = torch.cat([stats.draws[n].reshape(D, -1) for n in names], 1).double()
-    g = torch.Generator(device=flat.device).manual_seed(seed)
-    idx = torch.randint(D, (num_resamples, D), generator=g, device=flat.device)
-    boot = flat[idx]  # (B, D, P)
-    signal = boot.mean(1).pow(2).sum(-1).sqrt()
-    noise = boot.var(1).sum(-1).sqrt()
-    ok = (signal > 0) & (noise > 0)
-    if int(ok.sum()) < 2:
-        return est, est
-    spread = float((signal[ok] / noise[ok]).log().std())
-    z = statistics.NormalDist().inv_cdf((1 + level) / 2)
-    return est * math.exp(-z * spread), est * math.exp(z * spread)
-
-
 def _variance_ratio(name, p, stats, num_draws, seed, alpha) -> float:
     """Guide-gradient variance of an adaptive estimator over the better of the two it mixes."""
     bases = ("dreg", "iwae") if name == "adaptive-dreg" else ("stl", "trace")
@@ -458,8 +401,8 @@ def _run_one(build, name, seed, steps, lr, num_particles, snr_draws, num_samples
     g = result.grads
     result.grad_var_guide = total_variance(g, g.guide_params)
     result.grad_var_model = total_variance(g, g.model_params)
-    result.snr_guide_interval = snr_interval(g, g.guide_params, seed=seed)
-    result.snr_model_interval = snr_interval(g, g.model_params, seed=seed)
+    result.snr_guide_interval = g.snr_interval(g.guide_params, seed=seed)
+    result.snr_model_interval = g.snr_interval(g.model_params, seed=seed)
     if hasattr(elbo, "control_variate_weights"):
         result.variance_ratio = _variance_ratio(name, p, result.grads, snr_draws, seed, alpha)
     diag = p.diag_args if p.diag_args is not None else p.args

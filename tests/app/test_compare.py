@@ -1,7 +1,9 @@
 import math
+import statistics
 
 import pyro.distributions as dist
 import pytest
+import torch
 
 from pyro_gradroute.app.compare import compare_estimators, format_table
 from pyro_gradroute.app.models import MODELS, load_problem
@@ -104,18 +106,24 @@ def test_total_variance_is_the_trace_of_the_covariance():
 
 
 def test_snr_interval_contains_the_estimate_where_percentiles_miss_it():
-    from pyro_gradroute.app.compare import snr_interval
-
     missed = 0
     for seed in range(20):
         stats, _ = _zero_mean_stats(seed)
         est = stats.snr(["a", "b"])
         assert est == pytest.approx(1 / math.sqrt(20), rel=0.5)  # at the noise floor
-        lo, hi = snr_interval(stats, ["a", "b"], seed=seed)
+        lo, hi = stats.snr_interval(["a", "b"], seed=seed)
         assert lo <= est <= hi and hi > lo
-        p_lo, p_hi = stats.snr_interval(["a", "b"], seed=seed)  # plain percentiles
+        # the bootstrap's plain percentiles, by hand: they lie above the estimate
+        flat = torch.cat([stats.draws[n].reshape(20, -1) for n in ("a", "b")], 1).double()
+        g = torch.Generator().manual_seed(seed)
+        boot = flat[torch.randint(20, (200, 20), generator=g)]
+        snr = boot.mean(1).pow(2).sum(-1).sqrt() / boot.var(1).sum(-1).sqrt()
+        p_lo, p_hi = torch.quantile(snr, snr.new_tensor([0.16, 0.84])).tolist()
         missed += not (p_lo <= est <= p_hi)
-    assert missed >= 15  # the bootstrap re-adds the bias: percentile intervals lie above
+        # the same spread on the log scale, centred on the estimate
+        z = statistics.NormalDist().inv_cdf(0.84)
+        assert lo == pytest.approx(est * math.exp(-z * float(snr.log().std())), rel=1e-9)
+    assert missed >= 15
 
 
 def test_compare_reports_variance_floor_and_intervals():
