@@ -31,7 +31,10 @@ of a seed: common random numbers), so paired differences are not drowned by eval
   its prior (:data:`SV_DATA_SEED`); ``sv_centered_b`` / ``sv_centered_b_lowrank``: the same on returns drawn at
   fixed persistence 0.95, mean log-volatility 8, shock scale 0.8 (:data:`SV_B_DATA`);
 * ``glm``: a hierarchical logistic regression with random intercepts for 20 groups
-  (simulated), ``AutoNormal``, lr 0.01; 20% of the points held out.
+  (simulated), ``AutoNormal``, lr 0.01; 20% of the points held out;
+* ``irt``, ``bridge``, ``cox`` (and ``_lowrank``): an item-response model, a Brownian bridge
+  and a log-Gaussian Cox process on fixed simulated data (:data:`NAMED`), ``AutoNormal`` /
+  ``AutoLowRankMultivariateNormal``, lr 0.05, 2000 steps.
 
 Estimators (a registry: one line each): ``trace`` (Pyro's ``Trace_ELBO``; ``TraceEnum_ELBO``
 for the mixture), ``stl`` (``TraceSTL_ELBO``; for the mixture Pyro's ``TraceEnum_ELBO`` with
@@ -361,6 +364,93 @@ def stoch_vol_centered_b_lowrank(seed: int) -> Problem:
     return _sv_centered(AutoLowRankMultivariateNormal, _sv_centered_data(100, **SV_B_DATA))
 
 
+#: the data of the item-response, Brownian-bridge and Cox-process models (drawn once, fixed)
+IRT_SHAPE, BRIDGE_T, COX_N = (60, 25), 60, 40
+
+
+def _irt_model(y):
+    S, I = y.shape
+    students, items = pyro.plate("students", S, dim=-2), pyro.plate("items", I, dim=-1)
+    with items:
+        difficulty = pyro.sample("difficulty", dist.Normal(0.0, 2.0))
+        discrimination = pyro.sample("discrimination", dist.LogNormal(0.0, 0.5))
+    with students:
+        ability = pyro.sample("ability", dist.Normal(0.0, 1.0))
+    with students, items:
+        pyro.sample("y", dist.Bernoulli(logits=discrimination * (ability - difficulty)), obs=y)
+
+
+def _irt_data() -> torch.Tensor:
+    g = torch.Generator().manual_seed(11)
+    S, I = IRT_SHAPE
+    ability, difficulty = torch.randn(S, 1, generator=g), 1.5 * torch.randn(I, generator=g)
+    discrimination = (0.4 * torch.randn(I, generator=g)).exp()
+    return torch.bernoulli(torch.sigmoid(discrimination * (ability - difficulty)), generator=g)
+
+
+def _bridge_model(y):
+    T = len(y)
+    sigma = pyro.sample("sigma", dist.HalfNormal(1.0))
+    walk = y.new_ones(T, T).tril()  # x = sigma * cumsum(eps): a centred random walk
+    x = pyro.sample(
+        "x", dist.MultivariateNormal(y.new_zeros(T), scale_tril=sigma[..., None, None] * walk)
+    )
+    pyro.sample("end", dist.Normal(x[..., -1], 0.01), obs=y.new_zeros(()))  # pinned at 0
+    pyro.sample("y", dist.Normal(x, 0.5).to_event(1), obs=y)
+
+
+def _bridge_data() -> torch.Tensor:
+    g = torch.Generator().manual_seed(12)
+    x = torch.cumsum(0.3 * torch.randn(BRIDGE_T, generator=g), 0)
+    x = x - torch.linspace(0, 1, BRIDGE_T) * x[-1]
+    return x + 0.5 * torch.randn(BRIDGE_T, generator=g)
+
+
+def _cox_model(y):
+    n = len(y)
+    t = torch.linspace(0, 1, n, dtype=y.dtype, device=y.device)
+    K = (-((t[:, None] - t) ** 2) / (2 * 0.1**2)).exp() + 1e-4 * torch.eye(
+        n, dtype=y.dtype, device=y.device
+    )
+    L = torch.linalg.cholesky(K)
+    mu = pyro.sample("mu", dist.Normal(0.0, 2.0))
+    amp = pyro.sample("amp", dist.HalfNormal(1.0))
+    f = pyro.sample("f", dist.MultivariateNormal(mu[..., None] * y.new_ones(n),
+                                                 scale_tril=amp[..., None, None] * L))  # fmt: skip
+    pyro.sample("y", dist.Poisson(f.exp()).to_event(1), obs=y)
+
+
+def _cox_data() -> torch.Tensor:
+    t = torch.linspace(0, 1, COX_N)
+    return torch.poisson(
+        (1.0 + torch.sin(6 * t)).exp(), generator=torch.Generator().manual_seed(13)
+    )
+
+
+def _named(model, data, guide, nesting: int) -> Callable[[int], Problem]:
+    def problem(seed: int) -> Problem:
+        return Problem(model, guide(model), (data(),), 2000, 0.05, max_plate_nesting=nesting)
+
+    return problem
+
+
+#: a two-parameter item-response model (60 students x 25 items, Bernoulli on
+#: ``discrimination * (ability - difficulty)``), a Brownian bridge (a centred random walk of 60
+#: observed with noise, its end pinned at 0, its scale latent) and a log-Gaussian Cox process
+#: (Poisson counts in 40 cells, a squared-exponential GP log-intensity of fixed length scale,
+#: latent mean and amplitude): ``AutoNormal`` and ``AutoLowRankMultivariateNormal`` at Pyro's
+#: default init, Adam lr 0.05, 2000 steps
+NAMED = {
+    f"{name}{suffix}": _named(model, data, guide, nesting)
+    for name, model, data, nesting in (
+        ("irt", _irt_model, _irt_data, 2),
+        ("bridge", _bridge_model, _bridge_data, 0),
+        ("cox", _cox_model, _cox_data, 0),
+    )  # fmt: skip
+    for suffix, guide in (("", AutoNormal), ("_lowrank", AutoLowRankMultivariateNormal))
+}
+
+
 def glm(seed: int) -> Problem:
     G, n_per, P = 20, 20, 3
     g = torch.Generator().manual_seed(3)
@@ -399,6 +489,7 @@ MODELS: dict[str, Callable[[int], Problem]] = {
     "sv_centered_b": stoch_vol_centered_b,
     "sv_centered_b_lowrank": stoch_vol_centered_b_lowrank,
     "glm": glm,
+    **NAMED,
 }
 
 

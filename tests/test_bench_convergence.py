@@ -1,6 +1,7 @@
 """The convergence benchmark's equal-time comparison: the chord between two evaluations."""
 
 import importlib.util
+import math
 import sys
 
 import pytest
@@ -212,3 +213,41 @@ def test_a_tiny_run_writes_the_results_file_with_its_header(bench, tmp_path):
     assert again.split("\n", 1)[0] == header
     assert "re-summarized from the run's JSON" in again
     assert [ln for ln in again.splitlines() if ln.startswith("|")] == lines
+
+
+def test_named_models_densities_and_runs(bench):
+    """The bridge's walk is the sum of independent Normal increments, the Cox prior the GP with
+    a squared-exponential kernel (float64 closed forms); each of the six problems trains and
+    its ELBO estimate is vectorized over draws."""
+    import pyro
+    import pyro.distributions as dist
+    import torch
+    from pyro import poutine
+
+    torch.set_default_dtype(torch.float64)  # (the priors' constants too)
+    try:
+        y = bench._bridge_data()
+        tr = poutine.trace(bench._bridge_model).get_trace(y.double())
+        x, sigma = tr.nodes["x"]["value"], tr.nodes["sigma"]["value"]
+        steps = torch.diff(x, prepend=x.new_zeros(1))
+        ref = dist.Normal(0.0, sigma).log_prob(steps).sum()
+        assert torch.allclose(tr.nodes["x"]["fn"].log_prob(x), ref, rtol=1e-10)
+        y = bench._cox_data()
+        tr = poutine.trace(bench._cox_model).get_trace(y.double())
+        t = torch.linspace(0, 1, len(y), dtype=torch.float64)
+        amp, mu = tr.nodes["amp"]["value"], tr.nodes["mu"]["value"]
+        cov = amp**2 * ((-((t[:, None] - t) ** 2) / 0.02).exp() + 1e-4 * torch.eye(len(y)))
+        f = tr.nodes["f"]["value"]
+        ref = torch.distributions.MultivariateNormal(mu.expand(len(y)), cov).log_prob(f)
+        assert torch.allclose(tr.nodes["f"]["fn"].log_prob(f), ref, rtol=1e-8)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    for name in bench.NAMED:
+        pyro.clear_param_store()
+        p = bench.MODELS[name](0)
+        assert (p.steps, p.lr) == (2000, 0.05)
+        r = bench._Run(name, "adaptive", 0)
+        with r:
+            for step in range(3):
+                r.step(step, 3)
+            assert math.isfinite(bench.elbo_estimate(r.p, 4, 0))
