@@ -1,6 +1,6 @@
 """Convergence on real models at fixed budgets: Pyro's Trace_ELBO against this package's estimators.
 
-Run: ``python benchmarks/bench_convergence.py --quick`` (under 10 minutes on 2 cores) or
+Run: ``python benchmarks/bench_convergence.py --quick`` (about 25 minutes on 2 cores) or
 ``--full`` (every model at its script's settings); ``--json PATH`` writes the results.
 
 Models (each built afresh from the seed, so every estimator of a seed index starts from the
