@@ -103,15 +103,16 @@ class Gate:
         self.e, self.prev, self.sums, self.w1, self.w2 = e, None, None, 0.0, 0.0
 
     def update(self, g: torch.Tensor) -> None:
-        """Add one step's applied gradient."""
+        """Add one step's applied gradient (its inner products leave the device here, once)."""
         g, prev = g.detach(), self.prev
         self.prev = g
         if prev is None or prev.shape != g.shape or prev.dtype != g.dtype:
             self.sums, self.w1, self.w2 = None, 0.0, 0.0  # another parameter set: start again
             return
-        new = torch.stack([g.dot(g), g.dot(prev.to(g.device))])
-        self.sums = new if self.sums is None else self.sums.to(g.device).mul_(self.decay).add_(new)
-        self.w1, self.w2 = self.decay * self.w1 + 1.0, self.decay**2 * self.w2 + 1.0
+        sq, cross = torch.stack([g.dot(g), g.dot(prev.to(g.device))]).tolist()
+        d, (s0, s1) = self.decay, self.sums or (0.0, 0.0)
+        self.sums = (d * s0 + sq, d * s1 + cross)
+        self.w1, self.w2 = d * self.w1 + 1.0, d**2 * self.w2 + 1.0
 
     def known(self) -> bool:
         """Whether the bound has ``min_samples`` effective samples."""
@@ -121,7 +122,7 @@ class Gate:
         """:math:`B` (``inf`` until known, or with no mean left)."""
         if not self.known():
             return math.inf
-        sq, cross = self.sums.tolist()
+        sq, cross = self.sums
         return sq / cross if cross > 0 else math.inf
 
 
@@ -237,8 +238,7 @@ class Schedule:
         """Start again where a parameter of the last measured step left the param store or
         changed shape (a new problem reusing the names): its next steps are ``Trace_ELBO``'s."""
         for name, shape in self.layout or ():
-            p = leaves.get(name)
-            if p is None or tuple(p.shape) != shape:
+            if (p := leaves.get(name)) is None or tuple(p.shape) != shape:
                 cv.forget(self.key)
                 self.reset()
                 return
