@@ -13,7 +13,8 @@ parameters:
 * ``heldout_ll``: held-out log-likelihood per observation (:mod:`~pyro_gradroute.diagnostics.heldout`);
 * ``snr_guide`` / ``snr_model``: norm SNR of the estimator's gradient for guide / model
   parameters (:func:`~pyro_gradroute.diagnostics.gradient_stats`), with a 68% bootstrap
-  interval (``snr_*_interval``, see :meth:`~pyro_gradroute.diagnostics.GradientStats.snr_interval`) and the noise floor ``snr_floor``
+  interval (``snr_*_interval``: :meth:`~pyro_gradroute.diagnostics.GradientStats.snr_interval`)
+  and the noise floor ``snr_floor``
   :math:`= 1/\sqrt{D}` for ``D`` gradient draws: with a zero mean gradient (the usual state
   at a fit) the norm SNR is about :math:`1/\sqrt{D}`, so an SNR near the floor says the
   mean gradient is not distinguishable from zero, not how noisy the estimator is;
@@ -113,7 +114,7 @@ class EstimatorResult:
     #: total gradient variance (trace of the covariance) over guide / model parameters
     grad_var_guide: float = math.nan
     grad_var_model: float = math.nan
-    #: 68% bootstrap intervals of the norm SNRs (they contain the estimate; see GradientStats.snr_interval)
+    #: 68% bootstrap intervals of the norm SNRs (``GradientStats.snr_interval``: they contain it)
     snr_guide_interval: tuple = (math.nan, math.nan)
     snr_model_interval: tuple = (math.nan, math.nan)
     #: Trace_ELBO losses of the shared warm-up (``warmup_steps``), before ``losses``

@@ -110,7 +110,7 @@ class Gate:
             self.sums, self.w1, self.w2 = None, 0.0, 0.0  # another parameter set: start again
             return
         sq, cross = torch.stack([g.dot(g), g.dot(prev.to(g.device))]).tolist()
-        d, (s0, s1) = self.decay, self.sums or (0.0, 0.0)
+        d, (s0, s1) = self.decay, (0.0, 0.0) if self.sums is None else self.sums
         self.sums = (d * s0 + sq, d * s1 + cross)
         self.w1, self.w2 = d * self.w1 + 1.0, d**2 * self.w2 + 1.0
 
