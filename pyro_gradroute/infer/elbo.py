@@ -203,8 +203,7 @@ class RoutedELBO(ELBO):
         """Pyro's hook: ``(loss, surrogate_loss)`` of one trace pair (no routes)."""
         elbo, terms = self._particle_terms(model_trace, guide_trace, {})
         terms.pop(EXTRA, None)
-        surrogate = sum(terms.values()) if terms else 0.0
-        return -elbo, -surrogate
+        return -elbo, -sum(terms.values())
 
     def _iter_particles(self, model, guide, args, kwargs):
         """Yield ``(elbo, terms, blocks, trainable, extra)`` per trace, divided by
@@ -280,14 +279,11 @@ class RoutedELBO(ELBO):
             loss -= elbo
             if not (terms and trainable):  # as Pyro: no param site, no backward
                 continue
-            if not blocks:  # no routes: one plain backward of the whole surrogate
-                (-sum(terms.values())).backward(retain_graph=self.retain_graph)
-            else:
-                routing.backward(
-                    {k: -v for k, v in terms.items()},
-                    block=blocks,
-                    retain_graph=self.retain_graph,
-                    strict=False,  # marked sites without a gradient have no term
-                )
+            routing.backward(  # (without routes: one plain backward of the sum)
+                {k: -v for k, v in terms.items()},
+                block=blocks,
+                retain_graph=self.retain_graph,
+                strict=False,  # marked sites without a gradient have no term
+            )
         warn_if_nan(loss, "loss")
         return loss

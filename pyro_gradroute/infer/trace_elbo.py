@@ -55,6 +55,7 @@ class Trace_ELBO(RoutedELBO):
                     terms[("model", name)] = lp
         costs = None  # (term key, plate stack, detached log-density): the pieces of log r
         log_r = None
+        entropies = []  # (key, entropy term summed)
         for name, site in guide_trace.nodes.items():
             if site["type"] != "sample":
                 continue
@@ -62,7 +63,7 @@ class Trace_ELBO(RoutedELBO):
             parts = site["score_parts"]
             entropy_term = parts.entropy_term
             if torch.is_tensor(entropy_term) and entropy_term.requires_grad:
-                terms[("guide", name)] = -entropy_term.sum()
+                entropies.append((("guide", name), entropy_term.sum()))
             score_function = parts.score_function
             if is_identically_zero(score_function):
                 continue
@@ -77,7 +78,10 @@ class Trace_ELBO(RoutedELBO):
             if log_r is None:
                 log_r = MultiFrameTensor(*((f, c) for _, f, c in costs))
             add_term(terms, ("guide", name), (log_r.sum_to(stack) * score_function).sum())
-        return elbo, terms
+        if blocks:  # a term per site (REINFORCE terms are keyed apart)
+            return elbo, {**terms, **{k: -t for k, t in entropies}}
+        total = sum(terms.values()) - sum(t for _, t in entropies)  # else one term (as Pyro)
+        return elbo, {("surrogate",): total} if torch.is_tensor(total) else {}
 
 
 class TraceSTL_ELBO(Trace_ELBO):
