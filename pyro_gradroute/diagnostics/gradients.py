@@ -74,9 +74,12 @@ class GradientStats(dict):
         #: ``{name: (num_draws, *shape) tensor}`` of the gradient draws, with ``keep_draws``
         self.draws = draws
 
+    def __missing__(self, name):
+        raise KeyError(f"{name!r}: not a parameter of these statistics, which hold {sorted(self)}")
+
     def snr(self, names=None) -> float:
-        """Norm SNR over the parameters ``names`` (default: all)."""
-        names = list(self) if names is None else list(names)
+        """Norm SNR over the parameters ``names`` (a name, a list of names; default: all)."""
+        names = list(self) if names is None else [names] if isinstance(names, str) else list(names)
         return _norm_snr([self[n] for n in names]) if names else math.nan
 
     def snr_interval(
@@ -96,7 +99,7 @@ class GradientStats(dict):
         >>> lo <= s.snr(["a"]) <= hi
         True
         """
-        names = list(self) if names is None else list(names)
+        names = list(self) if names is None else [names] if isinstance(names, str) else list(names)
         if not names or self.draws is None:
             return math.nan, math.nan
         est, D = self.snr(names), self.num_draws

@@ -210,11 +210,6 @@ def delta_base(fn: Distribution):
         fn = fn.base_dist
 
 
-def is_delta(fn: Distribution) -> bool:
-    """Whether ``fn`` is a (possibly wrapped) :class:`~pyro.distributions.Delta`: no random draw."""
-    return delta_base(fn) is not None
-
-
 def density_reads_parameters(delta: Delta, nodes: dict) -> bool:
     """Whether the ``log_density`` of the Delta ``delta`` (from :func:`delta_base`) reads a
     parameter directly, not only through the earlier samples whose autograd nodes are the

@@ -10,7 +10,7 @@ from pyro.poutine import Trace
 from .. import routing
 from .._compat import set_unquantized, unquantized
 from .._validation import check_float, check_int
-from ..distributions.detached import is_delta
+from ..distributions.detached import delta_base
 from ..poutine.pathwise import DeltaDensityError
 from ..poutine.stick_the_landing_messenger import (
     StickTheLandingMessenger,
@@ -329,12 +329,14 @@ class TraceDReG_ELBO(RoutedELBO):
         draws = {
             n
             for n, s in guide_sites.items()
-            if torch.is_tensor(s["value"]) and s["value"].requires_grad and not is_delta(s["fn"])
+            if torch.is_tensor(s["value"])
+            and s["value"].requires_grad
+            and delta_base(s["fn"]) is None
         }
         # a structured guide (AutoStructured, AutoGaussian): its Deltas and auxiliary draws
         # are one reparameterized draw of the joint q(z) (see distributions.structured)
         structured = [n for n, r in records.items() if r is not None and r.owner is not None]
-        structured.sort(key=lambda n: not is_delta(records[n].fn))  # name a latent first
+        structured.sort(key=lambda n: delta_base(records[n].fn) is None)  # name a latent first
         for n in structured:
             if isinstance(self, ReweightedWakeSleepDReG):
                 raise ValueError(

@@ -284,9 +284,9 @@ def _hand(c: Cell, model, guide, rws: bool):
 
 
 def _is_delta(fn) -> bool:
-    from pyro_gradroute.distributions.detached import is_delta
+    from pyro_gradroute.distributions.detached import delta_base
 
-    return is_delta(fn)
+    return delta_base(fn) is not None
 
 
 def _has_delta_density(c: Cell) -> bool:

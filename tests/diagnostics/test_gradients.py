@@ -77,3 +77,18 @@ def test_norm_snr_of_an_exactly_zero_gradient_is_nan():
 def test_needs_two_draws():
     with pytest.raises(ValueError, match="gradient_stats: num_draws must be an integer >= 2"):
         gradient_stats(gaussian, param_guide, Trace_ELBO(), torch.zeros(2), num_draws=1)
+
+
+def test_snr_takes_one_name_and_names_the_parameters_on_an_unknown_one():
+    from pyro_gradroute.diagnostics.gradients import GradientStats, ParamGradStats
+
+    d = torch.randn(10, 3, generator=torch.Generator().manual_seed(0))
+    stats = GradientStats(
+        {"loc": ParamGradStats(d.mean(0), d.var(0))}, ["loc"], [], 10, draws={"loc": d}
+    )
+    assert stats.snr("loc") == stats.snr(["loc"]) == stats.snr()  # a name, not its letters
+    assert stats.snr_interval("loc") == stats.snr_interval(["loc"])
+    with pytest.raises(KeyError, match=r"'scale': not a parameter .* hold \['loc'\]"):
+        stats.snr(["scale"])
+    with pytest.raises(KeyError, match="'scale'"):
+        stats["scale"]
