@@ -69,9 +69,13 @@ def saved_tensor_bytes(fn: Callable[[], object]) -> int:
     return sum(seen.values())
 
 
-def print_table(rows: list[tuple], header: tuple) -> None:
-    """Print an aligned table (and keep it, as Markdown, for :func:`write_results`)."""
-    TABLES.append(markdown_table(rows, header))
+def print_table(rows: list[tuple], header: tuple, title: str | None = None) -> None:
+    """Print an aligned table (and keep it, as Markdown, for :func:`write_results`), under
+    ``title`` where given (the results file keeps it as the table's caption)."""
+    table = markdown_table(rows, header)
+    TABLES.append(table if title is None else f"{title}:\n\n{table}")
+    if title is not None:
+        print(title)
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     for r in [header, *rows]:
         print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)))

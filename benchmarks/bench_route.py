@@ -114,7 +114,7 @@ def step_ratios(fns: dict[str, Callable[[], object]], base: str, rounds: int) ->
 def report(title: str, fns: dict[str, Callable[[], object]], base: str, rounds: int) -> dict:
     mem = {k: peak_step_memory(fn) for k, fn in fns.items()}  # before any step in this process
     timing = step_ratios(fns, base, rounds)
-    print(f"\n{title}")
+    print()
     rows = [
         (
             k,
@@ -125,7 +125,8 @@ def report(title: str, fns: dict[str, Callable[[], object]], base: str, rounds: 
         )
         for k in fns
     ]
-    print_table(rows, ("candidate", "ms/step", f"time / {base}", "peak MiB", f"memory / {base}"))
+    header = ("candidate", "ms/step", f"time / {base}", "peak MiB", f"memory / {base}")
+    print_table(rows, header, title)
     return {k: (timing[k][1], mem[k] / mem[base]) for k in fns}
 
 
