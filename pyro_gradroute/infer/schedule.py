@@ -238,7 +238,7 @@ class Schedule:
         """Start again where a parameter of the last measured step left the param store or
         changed shape (a new problem reusing the names): its next steps are ``Trace_ELBO``'s."""
         for name, shape in self.layout or ():
-            if (p := leaves.get(name)) is None or tuple(p.shape) != shape:
+            if (p := leaves.get(name)) is None or p.shape != shape:
                 cv.forget(self.key)
                 self.reset()
                 return

@@ -120,8 +120,7 @@ def _trace_params(*traces) -> list[torch.Tensor]:
 def _score_part(site):
     r"""The site's scaled score part :math:`\log q(\bot(z); \phi)` (reaching the parameters
     directly only), or ``None`` where the estimator's handler left it its ordinary parts."""
-    rec = site.get(PATHWISE)
-    value = site["value"]
+    rec, value = site.get(PATHWISE), site["value"]
     if rec is None or rec.parts is None or not torch.is_grad_enabled():
         return None
     fn = rec.fn
@@ -433,25 +432,26 @@ class TraceAdaptiveSTL_ELBO(_Adaptive, TraceSTL_ELBO):
         sch, cv = self.schedule, self.control_variate
         if _ranks(self._distributed) > 1:
             return self._measured_step(model, guide, args, kwargs)
-        sch.check(cv, param_store_leaves())
+        leaves = param_store_leaves()
+        sch.check(cv, leaves)
         step = sch.decide(cv)
         if not step.measure:
-            return self._direct_step(step, model, guide, args, kwargs)
+            return self._direct_step(step, model, guide, args, kwargs, leaves)
         if sch.one_pass and not self.vectorize_particles:
             return self._one_pass_step(model, guide, args, kwargs)
         return self._measured_step(model, guide, args, kwargs)
 
-    def _direct_step(self, step, model, guide, args, kwargs) -> float:
+    def _direct_step(self, step, model, guide, args, kwargs, leaves) -> float:
         """Endpoint ``step.end``'s own step; where ``step.feed``, its gradient on the last
-        measured step's parameters goes into the gate."""
+        measured step's parameters (``leaves``: the param store's) goes into the gate."""
         sch = self.schedule
-        leaves = param_store_leaves() if step.feed and sch.layout else {}
-        params = [leaves[n] for n, _ in sch.layout] if leaves else []
+        if not (step.feed and sch.layout):
+            return self._endpoint(step.end, model, guide, args, kwargs)
+        params = [leaves[n] for n, _ in sch.layout]
         with _own_grads() as own:
             own(params)
             loss = self._endpoint(step.end, model, guide, args, kwargs)
-            if params:
-                sch.gate.update(_flat_grad(params))
+            sch.gate.update(_flat_grad(params))
         return loss
 
     def _endpoint(self, end, model, guide, args, kwargs) -> float:
