@@ -279,11 +279,10 @@ class RoutedELBO(ELBO):
             loss -= elbo
             if not (terms and trainable):  # as Pyro: no param site, no backward
                 continue
-            routing.backward(  # (without routes: one plain backward of the sum)
-                {k: -v for k, v in terms.items()},
-                block=blocks,
-                retain_graph=self.retain_graph,
-                strict=False,  # marked sites without a gradient have no term
-            )
+            if not blocks:  # no routes: one plain backward of the whole surrogate
+                (-sum(terms.values())).backward(retain_graph=self.retain_graph)
+                continue
+            neg = {k: -v for k, v in terms.items()}  # strict=False: a marked site may lack a term
+            routing.backward(neg, block=blocks, retain_graph=self.retain_graph, strict=False)
         warn_if_nan(loss, "loss")
         return loss
