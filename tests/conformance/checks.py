@@ -91,6 +91,7 @@ class Cell:
     names: list  # (param name, leaf) in a fixed order
     guide_only: torch.Tensor  # flat mask: coordinates of guide-only parameters
     dependent: bool | None = None  # whether some plate does not hold every site (cached)
+    conditional: bool | None = None  # whether a guide density reads an earlier draw (cached)
 
 
 def _leaves():
@@ -317,20 +318,22 @@ def _has_delta_density(c: Cell) -> bool:
 
 def _has_conditional_site(c: Cell) -> bool:
     """Whether a guide site's density at its (detached) draw reads an earlier draw."""
-    with pyro.poutine.block():
-        tr = pyro.poutine.trace(c.guide).get_trace(*c.args)
-    earlier = []
-    for x in tr.nodes.values():
-        if x["type"] != "sample":
-            continue
-        lp = x["fn"].log_prob(x["value"].detach())
-        if earlier and lp.requires_grad:
-            grads = torch.autograd.grad(lp.sum(), earlier, allow_unused=True, retain_graph=True)
-            if any(g is not None for g in grads):
-                return True
-        if x["value"].requires_grad:
-            earlier.append(x["value"])
-    return False
+    if c.conditional is None:
+        with pyro.poutine.block():
+            tr = pyro.poutine.trace(c.guide).get_trace(*c.args)
+        c.conditional, earlier = False, []
+        for x in tr.nodes.values():
+            if x["type"] != "sample":
+                continue
+            lp = x["fn"].log_prob(x["value"].detach())
+            if earlier and lp.requires_grad:
+                gs = torch.autograd.grad(lp.sum(), earlier, allow_unused=True, retain_graph=True)
+                if any(g is not None for g in gs):
+                    c.conditional = True
+                    break
+            if x["value"].requires_grad:
+                earlier.append(x["value"])
+    return c.conditional
 
 
 def _has_dependent_plates(c: Cell) -> bool:
