@@ -43,6 +43,7 @@ __all__ = [
 
 #: the distribution of a ``pyro.plate``'s subsample site (``pyro.poutine.subsample_messenger``)
 Subsample = _Subsample
+AccumulateGrad = torch._C._functions.AccumulateGrad  #: a leaf's autograd node (no children)
 
 
 def is_deterministic_site(site: dict) -> bool:

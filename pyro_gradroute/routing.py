@@ -18,7 +18,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from ._compat import tensor_backward_hooks, will_engine_execute
+from ._compat import AccumulateGrad, tensor_backward_hooks, will_engine_execute
 
 __all__ = ["backward", "grad", "gate", "reachable_leaves", "taps"]
 
@@ -614,7 +614,7 @@ def reached_nodes(tensors: Sequence[torch.Tensor], targets: dict) -> list[int]:
             hit.add(targets[node])
             continue
         for f, _ in node.next_functions:
-            if f is not None and f not in seen and (f in targets or f.next_functions):
+            if f is not None and type(f) is not AccumulateGrad and f not in seen:
                 seen.add(f)
                 stack.append(f)
     return sorted(hit)

@@ -24,7 +24,7 @@ from pyro.distributions.torch_distribution import (
 from torch.distributions import Distribution, Independent, TransformedDistribution
 from torch.distributions.transforms import ComposeTransform, IndependentTransform
 
-from .._compat import set_transform_cache, transform_cache, unquantized
+from .._compat import AccumulateGrad, set_transform_cache, transform_cache, unquantized
 from ..routing import reaches_leaf_directly
 from . import flows
 
@@ -228,19 +228,18 @@ def short_walk(roots: list, stops: dict, limit: int = 32) -> tuple[set, bool] | 
     path ending at a node in ``stops`` (node -> index; the indices of those reached are
     returned); None past ``limit`` nodes (the graph walkers of :mod:`~pyro_gradroute.routing`
     then decide). Decides a guide's plain sites without them."""
-    stack, hits, leaf = list(roots), set(), False
-    while stack:
+    stack, hits, leaf, get = list(roots), set(), False, stops.get
+    while stack:  # (every step, a few nodes a site: a leaf's node is known by its class)
         limit -= 1
         if limit < 0:
             return None
         nexts = stack.pop().next_functions
         leaf = leaf or not nexts
         for f, _ in nexts:
-            if f is None:
-                continue
-            i = stops.get(f)
-            if i is not None:
+            if type(f) is AccumulateGrad:
+                leaf = True
+            elif (i := get(f)) is not None:
                 hits.add(i)
-            else:
+            elif f is not None:
                 stack.append(f)
     return hits, leaf
