@@ -654,5 +654,5 @@ def reaches_leaf_directly(
     if stop_nodes is None:
         stop_nodes = set(_roots(stops))
     nodes = _walk([t.grad_fn], stop=stop_nodes)
-    leaves = (getattr(n, "variable", None) for n in nodes if not n.next_functions)
-    return any(v is not None and id(v) not in stop_leaves for v in leaves)
+    leaves = (n.variable for n in nodes if type(n) is AccumulateGrad)
+    return any(id(v) not in stop_leaves for v in leaves)

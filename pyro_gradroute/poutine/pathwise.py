@@ -108,7 +108,7 @@ def _upstream(params: list, nodes: dict) -> list:
                 hits.add(i)
             else:
                 roots.append(node)
-    walk = short_walk(roots, nodes) if roots else (hits, False)
+    walk = short_walk(roots, nodes)
     return reached_nodes(params, nodes) if walk is None else sorted(hits | walk[0])
 
 
