@@ -106,8 +106,7 @@ class ControlVariate:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Add one step's parts (after its gradient is formed); returns them flattened."""
         key = self.key(names, cs)
-        p = torch.cat([t.detach().reshape(-1) for t in ps])
-        c = torch.cat([t.detach().reshape(-1) for t in cs])
+        p, c = (torch.cat([t.reshape(-1) for t in ts]).detach() for ts in (ps, cs))
         st = self.state.get(key)
         if st is None:
             st = self.state[key] = {"buf": c.new_zeros((len(_KEYS),) + c.shape)}
@@ -192,12 +191,12 @@ class ControlVariate:
         var_c = (m["scc"] / w1 - mc.square()).clamp_min(0)
         s1 = s0 + 2 * cov + var_c
         s_b = (s0 + b * (2 * cov + b * var_c)).clamp_min(0)
-        totals = tuple(float(t.sum()) for t in (s_b, s0, s1))
+        totals = tuple(torch.stack([t.sum() for t in (s_b, s0, s1)]).tolist())  # (one sync)
         ratio, b_mix, ends = 1.0, b, None
         if self.gain is not None:  # step 5: per tensor, an endpoint unless the fit gains more
             sizes = [math.prod(shape) for _, shape in self.layouts[key]]
-            per = (s_b, s0, s1, mp.square())
-            tb, t0, t1, tm = [torch.stack([t.sum() for t in x.split(sizes)]) for x in per]
+            per = torch.stack((s_b, s0, s1, mp.square())).split(sizes, 1)
+            tb, t0, t1, tm = torch.stack([x.sum(1) for x in per], 1)  # per tensor
             best, t_best = (t1 < t0).to(tb.dtype), torch.minimum(t0, t1)
             e = torch.where(t_best <= self.gain * tb, best, -1.0)
             e = torch.where(t1 <= self.gain * tm, 1.0, e)
@@ -206,8 +205,8 @@ class ControlVariate:
             s_e = float((s0 + b * (2 * cov + b * var_c)).sum())
             ratio = s_e / totals[0] if totals[0] > 0 else 1.0
             # every tensor at one endpoint: the names of those at 1 (the others are at 0)
-            ones, zeros = (torch.stack([(t == v).sum() for t in b.split(sizes)]).tolist()
-                           for v in (1, 0))  # fmt: skip
+            at = torch.stack((b == 1, b == 0)).split(sizes, 1)
+            ones, zeros = torch.stack([x.sum(1) for x in at], 1).tolist()
             if all(n in (o, z) for o, z, n in zip(ones, zeros, sizes)):
                 names = [name for name, _ in self.layouts[key]]
                 ends = frozenset(name for name, o, n in zip(names, ones, sizes) if o == n)

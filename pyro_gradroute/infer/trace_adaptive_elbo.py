@@ -479,7 +479,7 @@ class TraceAdaptiveSTL_ELBO(_Adaptive, TraceSTL_ELBO):
         ``Trace_ELBO``'s (nothing measured) and later measured steps take two backwards."""
         sch, cv, n = self.schedule, self.control_variate, self.num_particles
         loss, ok, keys, routed = 0.0, True, None, False
-        acc: dict[str, list] = {}
+        acc: dict[tuple, torch.Tensor] = {}  # (name, 0): p, (name, 1): c
         params: dict[str, torch.Tensor] = {}
         self._sync()
         with _own_grads() as own:
@@ -527,14 +527,13 @@ class TraceAdaptiveSTL_ELBO(_Adaptive, TraceSTL_ELBO):
                     if any(g is None for g in seen):
                         ok = False
                         continue
-                    for (k, _, c), g in zip(parts, seen):
-                        a = acc.setdefault(k, [0.0, 0.0])
-                        a[0], a[1] = a[0] + (g - c), a[1] + c
+                    _add(acc, (((k, 0), g - c) for (k, _, c), g in zip(parts, seen)))
+                    _add(acc, (((k, 1), c) for k, _, c in parts))
             sch.routed = routed
-            if ok and keys and len(acc) == len(keys):
+            if ok and keys and len(acc) == 2 * len(keys):
                 if sch.key is not None and sch.key != key:
                     cv.forget(sch.key)  # the two-backward path's state (a first step)
-                cv.update(keys, [acc[k][0] for k in keys], [acc[k][1] for k in keys])
+                cv.update(keys, [acc[k, 0] for k in keys], [acc[k, 1] for k in keys])
                 names = sorted(params)
                 ps = [params[k] for k in names]
                 sch.measured(key, _layout(names, ps), routed, sites=True)
