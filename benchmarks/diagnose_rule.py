@@ -9,7 +9,12 @@ of elements (each AutoNormal parameter tensor: ``locs``/``scales`` of every site
 summed second moments of ``Trace_ELBO`` (``S1``), of STL (``S0``), of the per-element better
 endpoint (``Se``) and of the per-element optimal mix (``Sb``), the number of elements where STL
 is the better endpoint, and the same sums normalized per element by ``Trace_ELBO``'s second
-moment (``n0 = mean_e E g0_e^2 / E g1_e^2``: what a per-element normalized optimizer sees).
+moment (``n0 = mean_e E g0_e^2 / E g1_e^2``: what a per-element normalized optimizer sees),
+and each endpoint's variance along the tensor's mean gradient (``A1``: ``Trace_ELBO``, ``A0``:
+STL), which a per-element sum cannot see: for a Gaussian posterior with precision ``H`` and a
+mean-field guide of variances ``D``, STL's covariance on the locations exceeds
+``Trace_ELBO``'s by ``D^-1 - 2H``, positive along the directions of low curvature (a strongly
+correlated posterior's slow directions), negative along the rest.
 
 ``--trace-on T1,T2``: instead, train with ``Trace_ELBO``'s gradient on the named tensors and
 STL's on the rest, and print the final ELBO (which tensor's endpoint decides the result).
@@ -56,25 +61,29 @@ def parts(p, params: dict) -> tuple[dict, dict]:
 
 
 def moments(p, draws: int) -> dict:
-    """Per parameter: per-element mean of p, Var p, Var c, Cov(p, c) over ``draws`` draws."""
+    """Per parameter: per-element mean of p, Var p, Var c, Cov(p, c) over ``draws`` draws, and
+    the variance of ``Trace_ELBO``'s (``a1``) and STL's (``a0``) gradient along the unit vector
+    of the tensor's mean gradient (the direction the parameters are moving)."""
     params = dict(pyro.get_param_store().named_parameters())
-    acc: dict = {}
+    acc: dict = {n: ([], []) for n in params}
     for _ in range(draws):
         gt, gc = parts(p, params)
-        for n in params:
-            c = gc[n].detach().reshape(-1)
-            pp = (gt[n] - gc[n]).detach().reshape(-1)
-            a = acc.setdefault(n, [0.0] * 5)
-            for i, v in enumerate((pp, c, pp * pp, c * c, pp * c)):
-                a[i] = a[i] + v
+        for n, (ps, cs) in acc.items():
+            cs.append(gc[n].detach().reshape(-1))
+            ps.append((gt[n] - gc[n]).detach().reshape(-1))
     out = {}
-    for n, (sp, sc, spp, scc, spc) in acc.items():
-        mp, mc = sp / draws, sc / draws
+    for n, (ps, cs) in acc.items():
+        pp, c = torch.stack(ps), torch.stack(cs)
+        mp, mc = pp.mean(0), c.mean(0)
+        dp, dc = pp - mp, c - mc
+        u = (mp + mc) / (mp + mc).norm().clamp_min(1e-30)
         out[n] = {
             "mean": mp,
-            "vp": spp / draws - mp**2,
-            "vc": scc / draws - mc**2,
-            "cov": spc / draws - mp * mc,
+            "vp": dp.square().mean(0),
+            "vc": dc.square().mean(0),
+            "cov": (dp * dc).mean(0),
+            "a1": float(((dp + dc) @ u).square().mean()),
+            "a0": float((dp @ u).square().mean()),
         }
     return out
 
@@ -101,6 +110,8 @@ def table(mom: dict) -> list[dict]:
                 "n0": float((s0 / s1).mean()),  # per-element normalized: STL over Trace_ELBO
                 "ne": float((se / s1).mean()),
                 "b_med": float(bstar.median()),
+                "A1": m["a1"],  # along the mean gradient: Trace_ELBO
+                "A0": m["a0"],  # STL
             }
         )
     return rows
@@ -109,12 +120,13 @@ def table(mom: dict) -> list[dict]:
 def show(rows: list[dict], head: str) -> None:
     print(head)
     print(f"{'param':>28} {'n':>4} {'|Eg|^2':>9} {'S1 trace':>9} {'S0 stl':>9} {'S elem':>9} "
-          f"{'S b*':>9} {'stl<':>5} {'n0':>6} {'ne':>6} {'b* med':>6}")  # fmt: skip
+          f"{'S b*':>9} {'stl<':>5} {'n0':>6} {'ne':>6} {'b* med':>6} {'A1 trace':>9} "
+          f"{'A0 stl':>9}")  # fmt: skip
     tot = {k: 0.0 for k in ("mean2", "S1", "S0", "Se", "Sb")}
     for r in rows:
         print(f"{r['param']:>28} {r['size']:>4} {r['mean2']:9.3g} {r['S1']:9.3g} {r['S0']:9.3g} "
               f"{r['Se']:9.3g} {r['Sb']:9.3g} {r['stl_better']:>5} {r['n0']:6.3f} "
-              f"{r['ne']:6.3f} {r['b_med']:6.2f}")  # fmt: skip
+              f"{r['ne']:6.3f} {r['b_med']:6.2f} {r['A1']:9.3g} {r['A0']:9.3g}")  # fmt: skip
         for k in tot:
             tot[k] += r[k]
     print(f"{'total':>28} {'':>4} {tot['mean2']:9.3g} {tot['S1']:9.3g} {tot['S0']:9.3g} "
