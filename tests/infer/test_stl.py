@@ -464,3 +464,36 @@ def test_flow_without_rule_or_inverse_falls_back_to_ordinary_gradient_with_a_war
     with pytest.warns(UserWarning, match="'z' cannot be split.*ordinary Trace_ELBO gradient"):
         ours = gradient_draws(TraceSTL_ELBO(), gm.model, guide, 2, gm.x)
     torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_stl_location_noise_is_larger_along_the_slow_direction_of_a_correlated_posterior():
+    """A mean-field guide at its optimum (variances ``D``, ``1/D = diag H``) on a Gaussian with
+    precision ``H``: STL's gradient covariance at the location exceeds ``Trace_ELBO``'s by
+    ``D^-1 - 2H`` (closed form), smaller in total, larger along ``H``'s low-curvature direction."""
+    cov = torch.tensor([[1.0, 0.95], [0.95, 1.0]])
+    H = torch.linalg.inv(cov)
+    scale = H.diagonal().rsqrt()
+
+    def model():
+        pyro.sample("z", dist.MultivariateNormal(torch.zeros(2), cov))
+
+    def guide():
+        loc = pyro.param("loc", torch.tensor([0.2, -0.1]))
+        pyro.sample("z", dist.Normal(loc, scale).to_event(1))
+
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    n = 2000
+    g_trace = gradient_draws(PyroTrace_ELBO(), model, guide, n)
+    g_stl = gradient_draws(TraceSTL_ELBO(), model, guide, n)
+    diff = torch.cov(g_stl.T) - torch.cov(g_trace.T)
+    expected = torch.diag(H.diagonal()) - 2 * H
+    lam, vecs = torch.linalg.eigh(H)  # ascending: the slow direction first
+    for u in vecs.T:
+        want = float(u @ expected @ u)
+        # the sampling SE of u^T Cov u is about sqrt(2 / n) u^T Cov u for each estimator
+        se = (2 / n) ** 0.5 * float(u @ (torch.cov(g_stl.T) + torch.cov(g_trace.T)) @ u)
+        assert abs(float(u @ diff @ u) - want) < 5 * se
+    slow, fast = vecs[:, 0], vecs[:, 1]
+    assert float(slow @ diff @ slow) > 0 > float(fast @ diff @ fast)
+    assert float(diff.trace()) < 0  # lower summed per-element variance
