@@ -40,7 +40,10 @@ class ControlVariate:
        gradient) where :math:`S_k(1) \le G M_k` (no weights can gain more than :math:`G`
        there), else the better endpoint :math:`e` where :math:`S_k(e) \le G\, S_k(b)`, else
        keeps the fit. Each tensor decides on its own moments: summed over all tensors, the
-       tensors with the largest mean gradient would decide for every other.
+       tensors with the largest mean gradient would decide for every other. A tensor takes 1
+       where 1 is the closer endpoint along its mean gradient :math:`u_k` by :math:`z` SEs (the
+       slope of :math:`\langle p_k, u_k\rangle` on :math:`\langle c_k, u_k\rangle`, steps
+       1-3): per-element sums cannot see STL's noise along the direction the tensor moves.
 
     :math:`b = 1` during the first ``warmup`` updates of a key; ``fixed_weight`` replaces the
     fit everywhere. The fit is recomputed on every update for the first ``fresh`` updates past
@@ -114,6 +117,14 @@ class ControlVariate:
         if st["buf"].device != c.device or st["buf"].dtype != c.dtype:
             st["buf"] = st["buf"].to(c)  # a state loaded elsewhere
         buf, beta = st["buf"], self.decay
+        if self.gain is not None and st["w1"] > 0:  # (p, c) along each tensor's mean gradient
+            m = buf[0] + buf[1]  # (from the steps before)
+            k = torch.as_tensor([math.prod(s) for _, s in self.layouts[key]], device=c.device)
+            seg = torch.arange(len(k), device=c.device).repeat_interleave(k, output_size=len(c))
+            x = c.new_zeros(3, len(k)).index_add_(1, seg, torch.stack((p, c, m)) * m)
+            a = x[:2] / x[2].sqrt().clamp_min(torch.finfo(x.dtype).tiny)  # <p, u>, <c, u>
+            along = st["along"] = st["along"].to(c) if "along" in st else c.new_zeros(5, len(k))
+            along.mul_(beta).add_(torch.cat((a, a[:1] * a, a[1:] * a[1:])))
         new = [p, c, p * p, p * c, c * c]
         if st["w1"] > 0:  # the residual moments, centred at the means of the steps before
             x, y = (c - buf[1] / st["w1"], p - buf[0] / st["w1"]) if self.center else (c, p)
@@ -146,9 +157,8 @@ class ControlVariate:
         """``{"b", "b_mix", "b_hat", "se", "endpoint", "n_eff"}`` (joint vectors; ``b_mix`` the
         weights before step 5), ``constant`` (the value every ``b`` takes, else ``None``),
         ``ends`` (where step 5 leaves every tensor at one endpoint: the names of those at 1,
-        a ``frozenset``; else ``None``),
-        ``moments`` (predicted :math:`S(b_{mix}), S(0), S(1)`) and ``ratio``
-        (:math:`S(b) / S(b_{mix})`); ``None`` in warm-up."""
+        a ``frozenset``; else ``None``) and ``moments`` (predicted :math:`S(b_{mix}), S(0),
+        S(1)`); ``None`` in warm-up."""
         st = self.state.get(key)
         if st is None or st["n"] <= self.warmup or st["qw"] <= 0:  # in warm-up
             return None
@@ -192,7 +202,7 @@ class ControlVariate:
         s1 = s0 + 2 * cov + var_c
         s_b = (s0 + b * (2 * cov + b * var_c)).clamp_min(0)
         totals = tuple(torch.stack([t.sum() for t in (s_b, s0, s1)]).tolist())  # (one sync)
-        ratio, b_mix, ends = 1.0, b, None
+        b_mix, ends = b, None
         if self.gain is not None:  # step 5: per tensor, an endpoint unless the fit gains more
             sizes = [math.prod(shape) for _, shape in self.layouts[key]]
             per = torch.stack((s_b, s0, s1, mp.square())).split(sizes, 1)
@@ -200,10 +210,13 @@ class ControlVariate:
             best, t_best = (t1 < t0).to(tb.dtype), torch.minimum(t0, t1)
             e = torch.where(t_best <= self.gain * tb, best, -1.0)
             e = torch.where(t1 <= self.gain * tm, 1.0, e)
+            if "along" in st and dof > 0:  # along the mean gradient: the slope (steps 1-3)
+                a0, a1, a00, a01, a11 = st["along"] / st["qw"]
+                var_a, cov_a = (a11 - a1 * a1).clamp_min(tiny), a01 - a0 * a1
+                s2 = (a00 - a0 * a0 - cov_a * cov_a / var_a).clamp_min(0) / (dof * var_a)
+                e = torch.where(-cov_a / var_a - self.confidence * s2.sqrt() > 0.5, 1.0, e)
             e = e.repeat_interleave(torch.as_tensor(sizes, device=e.device))
             b = torch.where(e >= 0, e.to(b.dtype), b)
-            s_e = float((s0 + b * (2 * cov + b * var_c)).sum())
-            ratio = s_e / totals[0] if totals[0] > 0 else 1.0
             # every tensor at one endpoint: the names of those at 1 (the others are at 0)
             at = torch.stack((b == 1, b == 0)).split(sizes, 1)
             ones, zeros = torch.stack([x.sum(1) for x in at], 1).tolist()
@@ -220,7 +233,6 @@ class ControlVariate:
             "constant": next((v for v in (0.0, 1.0) if bool((b == v).all())), None),
             "ends": ends,
             "moments": totals,
-            "ratio": ratio,
         }
 
     def weights(self, names: list[str], likes: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -251,7 +263,7 @@ class ControlVariate:
         moments, fits = {}, {}
         for key, st in self.state.items():
             moments[key] = {k: v.clone() for k, v in zip(_KEYS, st["buf"].unbind(0))}
-            moments[key].update({k: v for k, v in st.items() if k not in ("buf", "fit")})
+            moments[key].update(_copy({k: v for k, v in st.items() if k not in ("buf", "fit")}))
             if st["fit"] is not None:
                 fits[key] = _copy(st["fit"])
         layouts = {k: list(v) for k, v in self.layouts.items()}
@@ -271,7 +283,7 @@ class ControlVariate:
             setattr(self, k, state[k])
         self.state = {}
         for key, st in state["moments"].items():
-            new = {k: v for k, v in st.items() if k not in _KEYS}
+            new = _copy({k: v for k, v in st.items() if k not in _KEYS})
             new["buf"] = torch.stack([st[k] for k in _KEYS])  # one buffer, owned here
             new["fit"] = _copy(state["fits"][key]) if key in state.get("fits", {}) else None
             self.state[key] = new

@@ -12,8 +12,8 @@ Since :math:`S(b) = \mathbb E\lVert g(b)\rVert^2 = \lVert \mathbb E g\rVert^2 + 
 * the **fit**: once settled, where the fit takes one endpoint on every parameter tensor (step
   5 of :class:`~pyro_gradroute.infer.control_variate.ControlVariate`, with ``mix_gain``),
   steps take it directly and one in ``measure_every`` measures (the wait doubles after each
-  confirming measurement, up to ``measure_max``, while :math:`S(e) \le` ``calm``
-  :math:`S(b)`, :math:`b` the fitted mix). Where measured steps take one pass (their
+  measurement that confirms it, up to ``measure_max``: step 5 keeps an endpoint only where
+  the fit would gain less than ``mix_gain``). Where measured steps take one pass (their
   tensors are guide sites' ``loc`` and ``scale``), the endpoint may differ between tensors
   (a *split*, :math:`e` the set of names at 1): a direct step then runs the guide under
   sticking the landing with the score part kept at those tensors, which is :math:`p + e
@@ -43,9 +43,7 @@ class ScheduleConfig:
     :param measure_every: while the fit keeps choosing one endpoint, one step in this many
         measures (the first wait).
     :param measure_max: the longest wait: waits double after each measurement that confirms
-        the choice while the mix would gain little, up to one step in this many.
-    :param calm: the waits grow only while the better endpoint's predicted second moment is
-        within this factor of the fitted mix's; otherwise they stay at ``measure_every``.
+        the choice, up to one step in this many.
     :param gate_every: a direct step's gradient feeds the gate on one direct step in this many
         (draws ``k`` steps apart are as independent as neighbours).
     :param switch_gate: the gate's threshold with ``mix_gain=math.inf`` (the parts are measured
@@ -65,7 +63,6 @@ class ScheduleConfig:
 
     measure_every: int = 4
     measure_max: int = 32
-    calm: float = 1.05
     gate_every: int = 4
     switch_gate: float = 2.0
     min_samples: float = 3.0
@@ -160,16 +157,12 @@ class Schedule:
         self.gate.reset(1.0)
 
     # -- the choice ----------------------------------------------------------------------
-    def endpoint(self, cv) -> tuple[float | frozenset | None, float]:
-        """``(e, r)``: the endpoint direct steps take (``None``: none yet, or the fit takes no
-        endpoint on some tensor; a ``frozenset``: a split, the names at 1), and its predicted
-        second moment over the fitted mix's."""
+    def endpoint(self, cv) -> float | frozenset | None:
+        """The endpoint direct steps take (``None``: none yet, or the fit takes no endpoint on
+        some tensor; a ``frozenset``: a split, the names at 1)."""
         key = self.key
-        if key is None or not cv.settled(key) or cv.fixed_weight is not None:
-            return None, 1.0
-        fit = cv.fit(key)
-        ratio = 1.0 if fit is None or self.mix_gain == math.inf else fit["ratio"]
-        return self.constant(cv, key), ratio
+        ok = key is not None and cv.settled(key) and cv.fixed_weight is None
+        return self.constant(cv, key) if ok else None
 
     def constant(self, cv, key: str) -> float | frozenset | None:
         """The weight every element of ``key`` takes on the next measured step, where they all
@@ -207,7 +200,7 @@ class Schedule:
     def decide(self, cv) -> Step:
         """This step's kind, from earlier steps only."""
         cfg, gate = self.config, self.gate
-        end, ratio = self.endpoint(cv)
+        end = self.endpoint(cv)
         if end is None or end != self.last_end:
             self.unmeasured, self.interval = 0, cfg.measure_every
         self.last_end = end
@@ -225,9 +218,7 @@ class Schedule:
             self.unmeasured += 1
             if self.unmeasured < self.interval:
                 return self._direct(end)
-            self.unmeasured = 0  # this step measures; while the mix gains little, wait longer
-            calm = ratio <= cfg.calm
-            self.interval = min(2 * self.interval, cfg.measure_max) if calm else cfg.measure_every
+            self.unmeasured, self.interval = 0, min(2 * self.interval, cfg.measure_max)  # measures
         return MEASURE
 
     def _direct(self, end: float | frozenset, every: int = 0) -> Step:

@@ -643,7 +643,7 @@ class TraceEnumAdaptiveSTL_ELBO(TraceAdaptiveSTL_ELBO):
         return self._one_pass_step(model, guide, args, kwargs)  # every measured step takes one pass
 
     def differentiable_loss(self, model, guide, *args, **kwargs) -> torch.Tensor:
-        end = self.schedule.endpoint(self.control_variate)[0]
+        end = self.schedule.endpoint(self.control_variate)
         self._sync()
         guide = guide if end is None else self._at(end, guide)
         return self._pyro.differentiable_loss(model, guide, *args, **kwargs)
