@@ -119,11 +119,9 @@ class ControlVariate:
         buf, beta = st["buf"], self.decay
         if self.gain is not None and st["w1"] > 0:  # (p, c) along each tensor's mean gradient
             m = buf[0] + buf[1]  # (from the steps before)
-            k = torch.as_tensor([math.prod(s) for _, s in self.layouts[key]], device=c.device)
-            seg = torch.arange(len(k), device=c.device).repeat_interleave(k, output_size=len(c))
-            x = c.new_zeros(3, len(k)).index_add_(1, seg, torch.stack((p, c, m)) * m)
+            x = self._per_tensor(key, torch.stack((p, c, m)) * m)
             a = x[:2] / x[2].sqrt().clamp_min(torch.finfo(x.dtype).tiny)  # <p, u>, <c, u>
-            along = st["along"] = st["along"].to(c) if "along" in st else c.new_zeros(5, len(k))
+            along = st["along"] = st["along"].to(c) if "along" in st else c.new_zeros(5, x.shape[1])
             along.mul_(beta).add_(torch.cat((a, a[:1] * a, a[1:] * a[1:])))
         new = [p, c, p * p, p * c, c * c]
         if st["w1"] > 0:  # the residual moments, centred at the means of the steps before
@@ -205,8 +203,7 @@ class ControlVariate:
         b_mix, ends = b, None
         if self.gain is not None:  # step 5: per tensor, an endpoint unless the fit gains more
             sizes = [math.prod(shape) for _, shape in self.layouts[key]]
-            per = torch.stack((s_b, s0, s1, mp.square())).split(sizes, 1)
-            tb, t0, t1, tm = torch.stack([x.sum(1) for x in per], 1)  # per tensor
+            tb, t0, t1, tm = self._per_tensor(key, torch.stack((s_b, s0, s1, mp.square())))
             best, t_best = (t1 < t0).to(tb.dtype), torch.minimum(t0, t1)
             e = torch.where(t_best <= self.gain * tb, best, -1.0)
             e = torch.where(t1 <= self.gain * tm, 1.0, e)
@@ -218,10 +215,9 @@ class ControlVariate:
             e = e.repeat_interleave(torch.as_tensor(sizes, device=e.device))
             b = torch.where(e >= 0, e.to(b.dtype), b)
             # every tensor at one endpoint: the names of those at 1 (the others are at 0)
-            at = torch.stack((b == 1, b == 0)).split(sizes, 1)
-            ones, zeros = torch.stack([x.sum(1) for x in at], 1).tolist()
+            ones, zeros = self._per_tensor(key, torch.stack((b == 1, b == 0))).tolist()
             if all(n in (o, z) for o, z, n in zip(ones, zeros, sizes)):
-                names = [name for name, _ in self.layouts[key]]
+                names = (name for name, _ in self.layouts[key])
                 ends = frozenset(name for name, o, n in zip(names, ones, sizes) if o == n)
         return {
             "b": b,
@@ -234,6 +230,11 @@ class ControlVariate:
             "ends": ends,
             "moments": totals,
         }
+
+    def _per_tensor(self, key: str, x: torch.Tensor) -> torch.Tensor:
+        """The sums of ``x``'s rows (each a joint vector of ``key``) over each parameter tensor."""
+        sizes = [math.prod(shape) for _, shape in self.layouts[key]]
+        return torch.stack([t.sum(1) for t in x.split(sizes, 1)], 1)
 
     def weights(self, names: list[str], likes: list[torch.Tensor]) -> list[torch.Tensor]:
         """The ``b`` of each parameter this step applies (from earlier steps only): ones in

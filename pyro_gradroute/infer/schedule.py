@@ -160,9 +160,8 @@ class Schedule:
     def endpoint(self, cv) -> float | frozenset | None:
         """The endpoint direct steps take (``None``: none yet, or the fit takes no endpoint on
         some tensor; a ``frozenset``: a split, the names at 1)."""
-        key = self.key
-        ok = key is not None and cv.settled(key) and cv.fixed_weight is None
-        return self.constant(cv, key) if ok else None
+        ok = self.key is not None and cv.settled(self.key) and cv.fixed_weight is None
+        return self.constant(cv, self.key) if ok else None
 
     def constant(self, cv, key: str) -> float | frozenset | None:
         """The weight every element of ``key`` takes on the next measured step, where they all
