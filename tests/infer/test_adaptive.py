@@ -763,6 +763,19 @@ def test_endpoints_per_tensor_match_two_pass_second_moments(tensors, expect):
     torch.testing.assert_close(plain.fit("all")["b"], fit["b_mix"])
 
 
+def _directional_draw(gen, u):
+    """Parts of two tensors: ``a`` whose score part cancels the pathwise noise along ``u`` and
+    is pure noise across it; ``b`` near STL with isotropic noise."""
+    n = len(u)
+    xi = torch.randn((), generator=gen, dtype=torch.float64)
+    eta = torch.randn(n, generator=gen, dtype=torch.float64)
+    eta = eta - (eta @ u) * u  # across u only
+    p_a, c_a = 0.3 + 5**0.5 * xi * u, -(5**0.5) * xi * u + eta
+    c_b = torch.randn(n, generator=gen, dtype=torch.float64)
+    p_b = 0.05 + 0.1 * torch.randn(n, generator=gen, dtype=torch.float64)
+    return (p_a, c_a), (p_b, c_b)
+
+
 def test_a_tensor_whose_stl_noise_lies_along_its_mean_gradient_keeps_trace_elbo():
     """Step 5's direction test. Tensor ``a``: along its mean gradient ``u`` the score part
     cancels the pathwise noise (Trace_ELBO exact there), across ``u`` it is pure noise (STL
@@ -776,12 +789,7 @@ def test_a_tensor_whose_stl_noise_lies_along_its_mean_gradient_keeps_trace_elbo(
     u = torch.ones(n, dtype=torch.float64) / n**0.5
     stored = []
     for _ in range(80):
-        xi = torch.randn((), generator=gen, dtype=torch.float64)
-        eta = torch.randn(n, generator=gen, dtype=torch.float64)
-        eta = eta - (eta @ u) * u  # across u only
-        p_a, c_a = 0.3 + 5**0.5 * xi * u, -(5**0.5) * xi * u + eta
-        c_b = torch.randn(n, generator=gen, dtype=torch.float64)
-        p_b = 0.05 + 0.1 * torch.randn(n, generator=gen, dtype=torch.float64)
+        (p_a, c_a), (p_b, c_b) = _directional_draw(gen, u)
         stored.append(((p_a, c_a), (p_b, c_b)))
         cv.update(["a", "b"], [p_a, p_b], [c_a, c_b])
     likes = [torch.zeros(n, dtype=torch.float64)] * 2
@@ -805,6 +813,32 @@ def test_a_tensor_whose_stl_noise_lies_along_its_mean_gradient_keeps_trace_elbo(
     assert float(-cov / var) > 0.9  # (1 but for the sampled mean's direction)
     assert bool((b_a == 1).all()) and bool((b_b == 0).all())
     assert fit["ends"] == frozenset({"a"})
+
+
+@pytest.mark.parametrize("how", ["state_dict", "pickle", "deepcopy"])
+def test_the_directional_moments_survive_a_round_trip(how):
+    """The moments along each tensor's mean gradient are saved and restored with the others:
+    a copy taken after the direction test has moved tensor ``a`` to 1 fits the same weights on
+    the same later draws as the original."""
+    gen = torch.Generator().manual_seed(5)
+    u = torch.ones(10, dtype=torch.float64) / 10**0.5
+    cv = ControlVariate(decay=0.9, gain=2.0)
+    for _ in range(80):
+        (p_a, c_a), (p_b, c_b) = _directional_draw(gen, u)
+        cv.update(["a", "b"], [p_a, p_b], [c_a, c_b])
+    if how == "state_dict":
+        copy_ = ControlVariate(gain=2.0)
+        copy_.load_state_dict(cv.state_dict())
+    else:
+        copy_ = pickle.loads(pickle.dumps(cv)) if how == "pickle" else copy.deepcopy(cv)
+    likes = [torch.zeros(10, dtype=torch.float64)] * 2
+    for _ in range(12):
+        (p_a, c_a), (p_b, c_b) = _directional_draw(gen, u)
+        for c in (cv, copy_):
+            c.update(["a", "b"], [p_a, p_b], [c_a, c_b])
+        key = cv.key(["a", "b"], likes)
+        torch.testing.assert_close(cv.fit(key)["b"], copy_.fit(key)["b"], rtol=0, atol=0)
+    assert bool((cv.fit(key)["b"][:10] == 1).all())  # the direction test holds ``a`` at 1
 
 
 def test_direct_steps_equal_pyro_trace_elbo_and_the_others_measure():
