@@ -29,7 +29,9 @@ import torch
 from pyro.infer.elbo import ELBO
 from pyro.nn import PyroModule
 from pyro.poutine.subsample_messenger import _Subsample
+from torch.autograd.graph import _engine_run_backward  # (torch.autograd.grad's engine call)
 from torch.distributions.utils import _sum_rightmost
+from torch.overrides import has_torch_function
 
 __all__ = [
     "Subsample",
@@ -128,6 +130,18 @@ def will_engine_execute(node) -> bool:
         return bool(torch._C._will_engine_execute_node(node))
     except RuntimeError:
         return True
+
+
+def vjp(outputs, inputs, seeds, retain_graph: bool = True) -> tuple:
+    """``torch.autograd.grad(outputs, inputs, seeds, retain_graph, allow_unused=True)``: for
+    plain tensors, the engine call without ``grad``'s Python check of each seed (the engine
+    checks shapes), which costs microseconds a seed; torch's function otherwise."""
+    outputs, inputs, seeds = tuple(outputs), tuple(inputs), tuple(seeds)
+    if has_torch_function(outputs) or any(s is None for s in seeds):
+        return torch.autograd.grad(outputs, inputs, seeds, retain_graph, allow_unused=True)
+    return _engine_run_backward(
+        outputs, seeds, retain_graph, False, inputs, True, accumulate_grad=False
+    )
 
 
 def tensor_backward_hooks(t: torch.Tensor) -> dict | None:

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from ._compat import AccumulateGrad, tensor_backward_hooks, will_engine_execute
+from ._compat import AccumulateGrad, tensor_backward_hooks, vjp, will_engine_execute
 
 __all__ = ["backward", "grad", "gate", "reachable_leaves", "taps"]
 
@@ -375,12 +375,8 @@ def grad(
     for i, (allowed, js) in enumerate(passes):
         last = i == len(passes) - 1
         total = sum(terms[k] for k in allowed)
-        gs = torch.autograd.grad(
-            total,
-            [inputs[j] for j in js],
-            retain_graph=retain_graph if last else True,
-            allow_unused=True,
-        )
+        keep = bool(retain_graph) if last else True
+        gs = vjp([total], [inputs[j] for j in js], [torch.ones_like(total)], keep)
         for j, g in zip(js, gs):
             out[j] = g
     return tuple(torch.zeros_like(x) if g is None else g for x, g in zip(inputs, out))
@@ -460,13 +456,7 @@ class _Gate(torch.autograd.Function):
         _check_no_intermediate_captured(ctx.graph)
         wanted = [j for j, (_, n) in enumerate(allowed) if will_engine_execute(n)]
         if wanted:
-            gs = torch.autograd.grad(
-                ctx.term,
-                [allowed[j][0] for j in wanted],
-                grad_out,
-                retain_graph=True,
-                allow_unused=True,
-            )
+            gs = vjp([ctx.term], [allowed[j][0] for j in wanted], [grad_out])
             for j, g in zip(wanted, gs):
                 out[j] = g
         return (None, None, *out)

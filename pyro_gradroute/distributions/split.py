@@ -23,7 +23,7 @@ from pyro.ops.provenance import (
 from torch.distributions import Distribution, Independent, TransformedDistribution
 from torch.distributions.transforms import ComposeTransform, IndependentTransform
 
-from .._compat import set_unquantized, transform_cache, unquantized
+from .._compat import set_unquantized, transform_cache, unquantized, vjp
 from ..routing import reached
 from . import flows
 from .flows.path import evaluate, log_prob_along
@@ -72,7 +72,7 @@ class _Pathwise(torch.autograd.Function):
         ctx.meta = meta
         ctx.set_materialize_grads(False)
         lps = tensors[len(meta[1]) : len(meta[1]) + len(meta[0])]
-        return tuple(t for lp in lps for t in (lp.detach().clone(), lp.detach().clone()))
+        return tuple(t for lp in lps for t in (lp.detach(), lp.detach()))
 
     @staticmethod
     def backward(ctx, *grads):  # type: ignore[override]
@@ -126,13 +126,7 @@ class _Pathwise(torch.autograd.Function):
             if not outs or not (v_in or u_in):
                 continue
             with _cut_at(ups if u_in else (), cut):
-                gs = torch.autograd.grad(
-                    outs,
-                    [*v_in, *(ups[k] for k in u_in)],
-                    seeds,
-                    retain_graph=True,
-                    allow_unused=True,
-                )
+                gs = vjp(outs, [*v_in, *(ups[k] for k in u_in)], seeds)
             for k, g in zip(v_slots, gs):
                 g_targets[k] = _add(g_targets[k], g)
             for k, g in zip(u_in, gs[len(v_in) :]):

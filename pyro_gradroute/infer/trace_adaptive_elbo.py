@@ -14,7 +14,7 @@ from pyro.infer import TraceEnum_ELBO as _PyroTraceEnum_ELBO
 from pyro.util import warn_if_nan
 
 from .. import routing
-from .._compat import param_store_leaves, trace_elbo_particles, trace_enum_elbo_particles
+from .._compat import param_store_leaves, trace_elbo_particles, trace_enum_elbo_particles, vjp
 from .._validation import check_float
 from ..distributed.gradients import average_gradients
 from ..distributions.normal import normal_score, normal_sites
@@ -142,7 +142,9 @@ def _transformed(fn) -> bool:
 
 def _grads(outputs, params, seeds=None, retain=False) -> dict:
     """``{param: d outputs / d param}`` for the params reached."""
-    gs = torch.autograd.grad(outputs, params, seeds, retain_graph=retain, allow_unused=True)
+    gs = vjp(
+        outputs, params, [torch.ones_like(o) for o in outputs] if seeds is None else seeds, retain
+    )
     return {p: g for p, g in zip(params, gs) if g is not None}
 
 

@@ -14,7 +14,7 @@ import torch
 from torch.distributions import Independent, Normal, TransformedDistribution
 from torch.distributions import transforms as TT
 
-from ..._compat import set_transform_cache, sum_rightmost, transform_attrs, transform_cache
+from ..._compat import set_transform_cache, sum_rightmost, transform_attrs, transform_cache, vjp
 from .rules import flow_rule
 
 _EMPTY = torch.Size()
@@ -115,7 +115,7 @@ class FlowLayer:
             seeds.append(g.expand_as(self._y))
         if not outs:
             return torch.zeros_like(self.x)
-        (r,) = torch.autograd.grad(outs, [self._x], seeds, retain_graph=True, allow_unused=True)
+        (r,) = vjp(outs, [self._x], seeds)
         return torch.zeros_like(self.x) if r is None else r.detach()
 
     def sub(self, transform) -> FlowLayer:
@@ -204,7 +204,7 @@ class FlowPath:
             x = x0.detach().requires_grad_()
             with torch.enable_grad():
                 lp = self.fn.base_dist.log_prob(x)
-        (g,) = torch.autograd.grad(lp, [x], torch.ones_like(lp), retain_graph=True)
+        (g,) = vjp([lp], [x], [torch.ones_like(lp)])
         return g.detach()
 
     def target_grad(self) -> torch.Tensor:
@@ -229,7 +229,7 @@ class FlowPath:
         with torch.enable_grad():
             s = sum(t.log_abs_det_jacobian(a, b).sum() for t, a, b in zip(tail, xs[:-1], xs[1:]))
         if torch.is_tensor(s) and s.requires_grad:
-            (d,) = torch.autograd.grad(s, [x], retain_graph=True, allow_unused=True)
+            (d,) = vjp([s], [x], [torch.ones_like(s)])
             if d is not None:
                 g = g - d.detach()
         return g
