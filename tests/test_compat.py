@@ -6,6 +6,7 @@ really still do so, so that the list only shrinks."""
 import re
 from pathlib import Path
 
+import pytest
 import torch
 
 PACKAGE = Path(__file__).resolve().parents[1] / "pyro_gradroute"
@@ -15,7 +16,7 @@ PRIVATE = re.compile(
     r"|_will_engine_execute_node|\._backward_hooks|[\"']_backward_hooks[\"']|sys\._getframe"
     r"|_cache_size|_cached_x_y|_cached_log_scale|_cache_log_detJ|_cached_logDetJ"
     r"|_cached_log_df_inv_dx|_cached_A\b|_cached_W_pre|_cached_C\b|_cached_T_C|\._params\b"
-    r"|_sum_rightmost|[\"']_parameters[\"']\]|_PYRO_STACK"
+    r"|_sum_rightmost|[\"']_parameters[\"']\]|_PYRO_STACK|_engine_run_backward"
 )
 PENDING: set[str] = set()
 
@@ -202,3 +203,28 @@ def test_sum_rightmost():
     x = _x(2, 3, 4)
     torch.testing.assert_close(sum_rightmost(x, 2), x.sum((-1, -2)))
     assert sum_rightmost(x, 0) is x
+
+
+def test_vjp_is_torch_autograd_grad():
+    """The engine call gives torch's gradients, raises torch's errors, and falls back to
+    ``torch.autograd.grad`` for a seed left to torch (None) and for tensor subclasses."""
+    from pyro.ops.provenance import track_provenance
+
+    from pyro_gradroute._compat import vjp
+
+    x, w = torch.randn(3, requires_grad=True), torch.randn(2, requires_grad=True)
+    y, s = (x * 2).sin(), x.sum() * 3
+    seeds = [torch.randn(3), torch.tensor(0.5)]
+    ref = torch.autograd.grad([y, s], [x, w], seeds, retain_graph=True, allow_unused=True)
+    got = vjp([y, s], [x, w], seeds)
+    torch.testing.assert_close(got[0], ref[0], rtol=0, atol=0)
+    assert got[1] is None and ref[1] is None  # unused input
+    torch.testing.assert_close(vjp([s], [x], [None])[0], torch.full((3,), 3.0))
+    tracked = track_provenance(x * 2, frozenset({"z"}))
+    torch.testing.assert_close(
+        vjp([tracked.sum()], [x], [torch.tensor(1.0)])[0], torch.full((3,), 2.0)
+    )
+    with pytest.raises(RuntimeError, match="invalid gradient at index 0"):
+        vjp([y], [x], [torch.ones(2)])
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        vjp([y.detach()], [x], [torch.ones(3)])
