@@ -100,17 +100,9 @@ def calling_elbo(depth: int | None = None):
 
 
 #: the methods through which an ELBO runs a guide (Pyro's and this package's)
-_ELBO_METHODS = frozenset(
-    {
-        "_get_trace",
-        "_get_traces",
-        "_get_vectorized_trace",
-        "loss",
-        "loss_and_grads",
-        "differentiable_loss",
-        "_differentiable_loss_particle",
-    }
-)
+_ELBO_METHODS = frozenset({"_get_trace", "_get_traces", "_get_vectorized_trace", "loss",
+                           "loss_and_grads", "differentiable_loss",
+                           "_differentiable_loss_particle"})  # fmt: skip
 
 
 def handler_stack() -> list:

@@ -93,8 +93,10 @@ def _dict_copy(cls) -> bool:
     return ok
 
 
-def _copy(fn: Distribution, params: list, keep=()) -> Distribution:
+def _copy(fn: Distribution, params: list, keep=(), drawn=False) -> Distribution:
     state = dict(vars(fn))
+    if drawn:  # read at its own draw (detached_copy's ``value``)
+        state["_validate_args"] = False
     for k, v in state.items():
         if isinstance(v, torch.Tensor):
             if v.requires_grad:
@@ -102,7 +104,7 @@ def _copy(fn: Distribution, params: list, keep=()) -> Distribution:
                 if k not in keep:
                     state[k] = v.detach()
         elif isinstance(v, Distribution):
-            state[k] = _copy(v, params, keep)
+            state[k] = _copy(v, params, keep, drawn)
     cls = type(fn)
     ok = _DICT_COPY.get(cls)
     if ok or (ok is None and _dict_copy(cls)):
@@ -133,8 +135,10 @@ def detached_copy(
     r"""A copy of ``fn`` whose parameters are stopped, or ``None`` if ``fn`` does not qualify.
 
     ``detached_copy(fn).log_prob(z)`` is :math:`\log q(z; \bot(\phi))`: the ordinary
-    value, gradient to :math:`z` only. ``value`` (a sample of ``fn``) is used the first
-    time ``fn``'s type is seen, to check that the copy holds all of its parameters.
+    value, gradient to :math:`z` only. ``value``: a draw of ``fn``, where the copy's
+    ``log_prob`` is read (so it skips the support check: a draw is in the support by
+    construction), and where, the first time ``fn``'s type is seen, the copy is checked to
+    hold all of its parameters.
     ``params``: a list to which the parameters it read are appended (those of
     :func:`param_tensors`), where it qualifies. ``keep``: attribute names (``"loc"``,
     ``"scale"``) left live: :math:`\log q(z; \theta_K, \bot(\theta_{\bar K}))` keeps the
@@ -158,7 +162,7 @@ def detached_copy(
     sig = _plain_signature(fn)
     if sig is None:
         return None
-    new = _copy(fn, [] if params is None else params, keep)
+    new = _copy(fn, [] if params is None else params, keep, value is not None)
     verdict = _VERIFIED.get(sig)
     if verdict is None and value is not None and torch.is_grad_enabled():
         if unquantized(value) is not None:  # straight-through: its density is at the relaxed

@@ -223,6 +223,25 @@ def test_detached_copy_of_a_non_distribution_is_a_clear_error():
         detached_copy(1.0)
 
 
+def test_detached_copy_at_a_draw_skips_only_the_copys_support_check():
+    """With ``value`` (a draw), the copy reads its density without the support check (the
+    draw is in the support by construction); the original still checks, and without a value
+    the copy checks too."""
+    from pyro_gradroute.distributions.detached import detached_copy
+
+    loc = torch.tensor(0.4, requires_grad=True)
+    q = dist.Independent(dist.Gamma(loc.exp(), torch.ones(3)), 1)
+    z = q.rsample()
+    outside = -z.detach()  # (a value the check refuses: a stand-in for an unchecked draw)
+    with pyro.validation_enabled(True):
+        c = detached_copy(q, z)
+        assert c.log_prob(z).item() == pytest.approx(q.log_prob(z).item(), rel=1e-6)
+        c.log_prob(outside)  # no check
+        for checked in (q, detached_copy(q)):
+            with pytest.raises(ValueError, match="support"):
+                checked.log_prob(outside)
+
+
 # ----------------------------------------------------------------------------- which path, exactly
 def _graph_problem(kind: str, T: int = 8):
     """A float64 guide whose site ``t`` reads the samples ``parents(t)`` (a linear-Gaussian DAG).
