@@ -33,15 +33,8 @@ from torch.autograd.graph import _engine_run_backward  # (torch.autograd.grad's 
 from torch.distributions.utils import _sum_rightmost
 from torch.overrides import has_torch_function
 
-__all__ = [
-    "Subsample",
-    "calling_elbo",
-    "SameNameContainer",
-    "is_deterministic_site",
-    "param_store_leaves",
-    "pyro_context",
-    "pyro_name",
-]
+__all__ = ["Subsample", "calling_elbo", "SameNameContainer", "is_deterministic_site",
+           "param_store_leaves", "pyro_context", "pyro_name"]  # fmt: skip
 
 #: the distribution of a ``pyro.plate``'s subsample site (``pyro.poutine.subsample_messenger``)
 Subsample = _Subsample

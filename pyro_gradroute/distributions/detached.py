@@ -28,7 +28,7 @@ from .._compat import AccumulateGrad, set_transform_cache, transform_cache, unqu
 from ..routing import reaches_leaf_directly
 from . import flows
 
-__all__ = ["detached_copy", "param_tensors"]
+__all__ = ["detached_copy", "param_tensors", "unchecked", "verified_params"]
 
 _WRAPPERS = (Independent, ExpandedDistribution, MaskedDistribution)
 
@@ -93,7 +93,7 @@ def _dict_copy(cls) -> bool:
     return ok
 
 
-def _copy(fn: Distribution, params: list, keep=(), drawn=False) -> Distribution:
+def _copy(fn: Distribution, params: list, keep=(), drawn=False, detach=True) -> Distribution:
     state = dict(vars(fn))
     if drawn:  # read at its own draw (detached_copy's ``value``)
         state["_validate_args"] = False
@@ -101,10 +101,10 @@ def _copy(fn: Distribution, params: list, keep=(), drawn=False) -> Distribution:
         if isinstance(v, torch.Tensor):
             if v.requires_grad:
                 params.append(v)
-                if k not in keep:
+                if detach and k not in keep:
                     state[k] = v.detach()
         elif isinstance(v, Distribution):
-            state[k] = _copy(v, params, keep, drawn)
+            state[k] = _copy(v, params, keep, drawn, detach)
     cls = type(fn)
     ok = _DICT_COPY.get(cls)
     if ok or (ok is None and _dict_copy(cls)):
@@ -115,6 +115,18 @@ def _copy(fn: Distribution, params: list, keep=(), drawn=False) -> Distribution:
         for k, v in state.items():
             setattr(new, k, v)
     return new
+
+
+def unchecked(fn: Distribution) -> Distribution:
+    """``fn``; for a plain family, a shallow copy (parameters live) that reads its density
+    without the support check: for ``fn``'s own draw, in its support by construction."""
+    return fn if _plain_signature(fn) is None else _copy(fn, [], (), True, False)
+
+
+def verified_params(fn: Distribution) -> list[torch.Tensor] | None:
+    """:func:`param_tensors` of a plain family whose detached copy is known to hold all its
+    parameters (its type seen before), else None."""
+    return param_tensors(fn) if _VERIFIED.get(_plain_signature(fn)) else None
 
 
 def param_tensors(fn: Distribution) -> list[torch.Tensor]:

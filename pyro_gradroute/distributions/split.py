@@ -26,6 +26,7 @@ from torch.distributions.transforms import ComposeTransform, IndependentTransfor
 from .._compat import set_unquantized, transform_cache, unquantized, vjp
 from ..routing import reached
 from . import flows
+from .detached import unchecked
 from .flows.path import evaluate, log_prob_along
 
 __all__ = ["SplitLogProb", "SplitNotSupported", "split_log_prob", "split_log_probs"]
@@ -259,7 +260,7 @@ def _leaf(t: torch.Tensor, grad_mode: bool) -> torch.Tensor:
     return t.detach().requires_grad_(t.requires_grad and grad_mode)
 
 
-def _evaluate(fn: Distribution, value: torch.Tensor, preimage, grad_mode: bool):
+def _evaluate(fn: Distribution, value: torch.Tensor, preimage, grad_mode: bool, drawn=False):
     """``(target, v, ScoreParts at v, flow)``: one evaluation of ``fn``'s score parts at a detached
     copy; ``flow``: ``(g, score)`` of a flow evaluated along its path (``v`` is then None)."""
     fn = flatten_transformed(fn)
@@ -277,8 +278,8 @@ def _evaluate(fn: Distribution, value: torch.Tensor, preimage, grad_mode: bool):
         set_unquantized(v, _leaf(unq, grad_mode))
         return unq, unquantized(v), _score_parts(fn, v), None
     v = _leaf(value, grad_mode)
-    try:
-        return value, v, _score_parts(fn, v), None
+    try:  # (``drawn``: ``value`` is ``fn``'s own draw)
+        return value, v, _score_parts(unchecked(fn) if drawn else fn, v), None
     except AssertionError:
         if _default_score_parts(fn):
             raise
@@ -407,9 +408,9 @@ def split_score_parts(items, on_error=None, cut: bool = False, names=None):
 
     ``items``: ``(fn, value, upstream, preimage)``; ``full`` / ``pathwise``: ``ScoreParts``
     with the full / pathwise gradient; ``score``: the evaluated ``log_prob``. ``on_error(i,
-    exc)``: ``None`` (re-raise) or a triple for item ``i``. ``cut``: the upstream tensors are
-    the samples each item reads, possibly computed from each other (the product stops the
-    gradient below each). ``names``: the items' site names.
+    exc)``: ``None`` (re-raise) or a triple for item ``i``. ``cut``: values are draws (read
+    without the support check), upstream tensors the samples each reads, possibly computed
+    from each other (the product stops the gradient below each). ``names``: the site names.
     """
     grad_mode = torch.is_grad_enabled()
     results: list = [None] * len(items)
@@ -426,7 +427,7 @@ def split_score_parts(items, on_error=None, cut: bool = False, names=None):
         if not torch.is_tensor(value):
             raise TypeError(f"split_log_prob expects a tensor value, got {type(value).__name__}")
         try:
-            target, v, parts, flow = _evaluate(fn, value, preimage, grad_mode)
+            target, v, parts, flow = _evaluate(fn, value, preimage, grad_mode, cut)
         except (NotImplementedError, KeyError) as e:
             err = SplitNotSupported(
                 f"{type(fn).__name__}.log_prob cannot be evaluated at a fixed sample "

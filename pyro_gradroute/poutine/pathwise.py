@@ -16,7 +16,7 @@ import torch
 from pyro.distributions.score_parts import ScoreParts
 
 from ..distributions import flows
-from ..distributions.detached import delta_base, detached_copy, short_walk
+from ..distributions.detached import delta_base, detached_copy, short_walk, verified_params
 from ..distributions.split import (
     SplitNotSupported,
     _flow_candidate,
@@ -71,22 +71,25 @@ def site_pathwise(
     if tracing is None:
         tracing = torch.jit.is_tracing()
     params: list[torch.Tensor] = []
-    copy = detached_copy(fn, value, params, keep)  # None where fn is not a plain family
-    ups = _upstream(params, nodes) if copy is not None and earlier else ()
+    known = verified_params(fn) if earlier else None  # (a conditional site needs no copy)
+    ups = _upstream(known, nodes) if known else ()
+    copy = None if ups else detached_copy(fn, value, params, keep)  # None: not a plain family
+    if copy is not None and earlier and known is None:
+        ups = _upstream(params, nodes)
     if keep and (copy is None or ups):
         raise ValueError(
             f"guide site '{name}': keeping the score part at {sorted(keep)} needs a plain "
             "family whose parameters read no earlier sample"
         )
-    if copy is not None:
-        if not ups:  # (a sample reads none drawn later)
-            lp = copy.log_prob(value)
-            parts = PathwiseParts(lp, 0, lp)
-            parts.conditional = False
-            return parts
+    if ups:
         if tracing:
             raise _conditional_under_jit(name)
         return tuple(ups)
+    if copy is not None:  # (a sample reads none drawn later)
+        lp = copy.log_prob(value)
+        parts = PathwiseParts(lp, 0, lp)
+        parts.conditional = False
+        return parts
     if not tracing:
         parts = _flow_pathwise(name, fn, value, earlier, nodes, preimage)
         if parts is not None:

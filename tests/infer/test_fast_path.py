@@ -242,6 +242,61 @@ def test_detached_copy_at_a_draw_skips_only_the_copys_support_check():
                 checked.log_prob(outside)
 
 
+def test_a_conditional_site_is_split_at_its_draw_unchecked_and_without_a_detached_copy(
+    monkeypatch,
+):
+    """From a family's second sight on, a site whose parameters read an earlier sample goes to
+    the split node without a detached copy, which evaluates it at its own draw without the
+    support check; the gradient is unchanged (hand-written surrogate on the same draw)."""
+    import pyro_gradroute.poutine.pathwise as pw
+    from pyro_gradroute.distributions.detached import unchecked
+
+    checked = []
+
+    class Counted(dist.Normal):
+        def _validate_sample(self, value):
+            checked.append(value)
+            super()._validate_sample(value)
+
+    def guide():
+        m = pyro.param("m", torch.tensor(0.3))
+        z1 = pyro.sample("z1", dist.Normal(m, 1.0))
+        pyro.sample("z2", Counted(0.5 * z1 * m, 1.0))
+
+    def model():
+        z1 = pyro.sample("z1", dist.Normal(0.0, 1.0))
+        pyro.sample("z2", dist.Normal(z1, 1.0))
+
+    copies = []
+    real = pw.detached_copy
+    monkeypatch.setattr(pw, "detached_copy", lambda fn, *a: copies.append(fn) or real(fn, *a))
+    pyro.clear_param_store()
+    with pyro.validation_enabled(True):
+        TraceSTL_ELBO().loss_and_grads(model, guide)  # (the first sight verifies the copy)
+        m = pyro.param("m").unconstrained()
+        m.grad, copies[:], checked[:] = None, [], []
+        pyro.set_rng_seed(1)
+        guide_tr = poutine.trace(guide).get_trace()
+        pyro.set_rng_seed(1)
+        TraceSTL_ELBO().loss_and_grads(model, guide)
+    assert [type(c) for c in copies] == [dist.Normal] and checked == []  # z1's copy only
+    z1, z2 = (guide_tr.nodes[n]["value"] for n in ("z1", "z2"))
+    md = m.detach()
+    surrogate = (  # log p - log q(z1; stop m) - log q(z2 | z1; stop m) (path through z1 kept)
+        dist.Normal(0.0, 1.0).log_prob(z1) + dist.Normal(z1, 1.0).log_prob(z2)
+        - dist.Normal(md, 1.0).log_prob(z1) - dist.Normal(0.5 * z1 * md, 1.0).log_prob(z2)
+    )  # fmt: skip
+    (ref,) = torch.autograd.grad(-surrogate, m)
+    torch.testing.assert_close(m.grad, ref)
+    q = Counted(m, 1.0)
+    u = unchecked(q)
+    assert type(u) is Counted and u.loc is m and u.log_prob(torch.tensor(0.1)).requires_grad
+    d = dist.Delta(m)
+    assert checked == [] and unchecked(d) is d  # (not a plain family: itself)
+    q.log_prob(torch.tensor(0.1))
+    assert len(checked) == 1
+
+
 # ----------------------------------------------------------------------------- which path, exactly
 def _graph_problem(kind: str, T: int = 8):
     """A float64 guide whose site ``t`` reads the samples ``parents(t)`` (a linear-Gaussian DAG).
