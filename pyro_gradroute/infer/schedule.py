@@ -44,8 +44,8 @@ class ScheduleConfig:
         measures (the first wait).
     :param measure_max: the longest wait: waits double after each measurement that confirms
         the choice, up to one step in this many.
-    :param gate_every: one direct step in this many feeds the gate its gradient (read apart: a
-        few percent of a small model's step; draws ``k`` steps apart are as independent).
+    :param gate_every: a direct step's gradient feeds the gate on one direct step in this many
+        (draws ``k`` steps apart are as independent as neighbours).
     :param switch_gate: the gate's threshold with ``mix_gain=math.inf`` (the parts are measured
         once the other endpoint could gain this much).
     :param min_samples: effective number of samples the gate needs before its bound is read.
@@ -63,7 +63,7 @@ class ScheduleConfig:
 
     measure_every: int = 4
     measure_max: int = 32
-    gate_every: int = 16
+    gate_every: int = 4
     switch_gate: float = 2.0
     min_samples: float = 3.0
     refit: int = 4
