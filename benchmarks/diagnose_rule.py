@@ -19,6 +19,12 @@ correlated posterior's slow directions), negative along the rest.
 ``--trace-on T1,T2``: instead, train with ``Trace_ELBO``'s gradient on the named tensors and
 STL's on the rest, and print the final ELBO (which tensor's endpoint decides the result).
 
+``--trend``: instead, train with ``Trace_ELBO`` at the model's own budget (every model with
+``--model all``) and print, at each tenth of the run, what the run's own numbers could tell a
+policy about its progress: the loss's slope per step (exponentially weighted regression over
+about 200 steps) in units of the loss's residual standard deviation, that slope's z-score, and
+the gate's bound ``B`` (``E|g_t|^2 / E<g_t, g_t-1>`` over that tenth).
+
 Run: ``python benchmarks/diagnose_rule.py --model sv_centered --steps 5000 --draws 300``.
 """
 
@@ -49,6 +55,11 @@ def parts(p, params: dict) -> tuple[dict, dict]:
     for site in guide_tr.nodes.values():
         if site["type"] == "sample" and site["infer"].get("is_auxiliary"):
             score = score + site["fn"].log_prob(site["value"].detach()).sum()
+    if not torch.is_tensor(score):
+        raise SystemExit(
+            "the moments read the score part at the guide's auxiliary sample sites (AutoNormal, "
+            "AutoLowRankMultivariateNormal, ...); this model's guide has none: use --trend"
+        )
     names = list(params)
     leaves = [params[n] for n in names]
     gt = torch.autograd.grad(loss, leaves, allow_unused=True, retain_graph=True)
@@ -180,6 +191,44 @@ def run_endpoints(model: str, steps: int, seed: int, trace_on: list[str]) -> dic
     return {"seed": seed, "trace_on": trace_on, "elbo": elbo}
 
 
+def run_trend(model: str, seed: int, decay: float = 0.99) -> dict:
+    """``Trace_ELBO`` at the model's budget; per tenth: slope / sd, its z, and ``B``."""
+    pyro.clear_param_store()
+    pyro.set_rng_seed(seed)
+    p = MODELS[model](seed)
+    elbo = Trace_ELBO(max_plate_nesting=p.max_plate_nesting)
+    optim = pyro.optim.Adam({"lr": p.lr})
+    s = [0.0] * 7  # weights' sums of 1, age, age^2, loss, age * loss, loss^2, weight^2
+    prev, sq, cross, rows = None, 0.0, 0.0, []
+    for t in range(1, p.steps + 1):
+        with poutine.trace(param_only=True) as tr:
+            loss = elbo.loss_and_grads(p.model, p.guide, *p.args)
+        leaves = [site["value"].unconstrained() for site in tr.trace.nodes.values()]
+        g = torch.cat([v.grad.reshape(-1) for v in leaves if v.grad is not None])
+        if prev is not None and prev.shape == g.shape:
+            sq, cross = sq + float(g @ g), cross + float(g @ prev)
+        prev = g
+        optim(leaves)
+        pyro.infer.util.zero_grads(leaves)
+        w, a, aa, y, ay, yy, w2 = s  # every earlier loss one step older, then this one
+        d = decay
+        s = [d * w + 1, d * (a + w), d * (aa + 2 * a + w), d * y + loss, d * (ay + y),
+             d * yy + loss * loss, d * d * w2 + 1]  # fmt: skip
+        if t % max(p.steps // 10, 1) == 0:
+            w, a, aa, y, ay, yy, w2 = s
+            va, cov, vy = aa / w - (a / w) ** 2, ay / w - a * y / w**2, yy / w - (y / w) ** 2
+            slope = cov / va  # loss per step of age: its fall per step
+            sd = max(vy - slope * cov, 1e-300) ** 0.5
+            n = w * w / w2
+            z = slope / (sd / (n * va) ** 0.5)
+            rows.append({"step": t, "slope_sd": slope / sd, "z": z,
+                         "B": sq / cross if cross > 0 else float("inf")})  # fmt: skip
+            sq, cross = 0.0, 0.0
+    line = " ".join(f"{r['slope_sd']:7.4f} {r['z']:5.1f} {r['B']:6.2f} |" for r in rows)
+    print(f"{model:>22} {line}", flush=True)
+    return {"model": model, "seed": seed, "rows": rows}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="sv_centered")
@@ -192,19 +241,25 @@ def main() -> None:
                     help="instead of the moments: train with Trace_ELBO's gradient on these "
                     "comma-separated tensors (e.g. locs.log_vol; 'all'; '' none) and STL's on the "
                     "rest, and print the final ELBO")  # fmt: skip
+    ap.add_argument("--trend", action="store_true",
+                    help="instead of the moments: the loss's trend and the gate's bound along a "
+                    "Trace_ELBO run at the model's budget (--model all: every model)")  # fmt: skip
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     torch.set_num_threads(1)
     t0 = time.perf_counter()
     res = {}
-    if args.trace_on is not None:
+    if args.trend:
+        names = list(MODELS) if args.model == "all" else [args.model]
+        print("per tenth of the run: loss slope per step / residual sd, its z, gate bound B")
+        res["trend"] = [run_trend(m, args.seed) for m in names]
+    elif args.trace_on is not None:
         on = [t for t in args.trace_on.split(",") if t]
         res["endpoints"] = run_endpoints(args.model, args.steps, args.seed, on)
-        print(f"{time.perf_counter() - t0:.0f} s")
-        return
-    cps = sorted({s for s in (50, 200, 500, 1000, 2000, 3500, 5000) if s <= args.steps}
+    else:
+        cps = sorted({s for s in (50, 200, 500, 1000, 2000, 3500, 5000) if s <= args.steps}
                  | {args.steps})  # fmt: skip
-    res["moments"] = run_moments(args.model, args.steps, args.draws, cps, args.seed, args.along)
+        res["moments"] = run_moments(args.model, args.steps, args.draws, cps, args.seed, args.along)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f)
