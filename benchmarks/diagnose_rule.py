@@ -19,7 +19,8 @@ correlated posterior's slow directions), negative along the rest.
 ``--trace-on T1,T2``: instead, train with ``Trace_ELBO``'s gradient on the named tensors and
 STL's on the rest, and print the final ELBO (which tensor's endpoint decides the result).
 
-``--trend``: instead, train with ``Trace_ELBO`` at the model's own budget (every model with
+``--trend``: instead, train with Pyro's ``Trace_ELBO`` (``TraceEnum_ELBO`` for an enumerated
+model) at the model's own budget (every model with
 ``--model all``) and print, at each tenth of the run, what the run's own numbers could tell a
 policy about its progress: the loss's slope per step (exponentially weighted regression over
 about 200 steps) in units of the loss's residual standard deviation, that slope's z-score, and
@@ -36,11 +37,12 @@ import time
 
 import pyro
 import torch
-from bench_convergence import MODELS
+from bench_convergence import MODELS, _trace
 from pyro import poutine
 from pyro.infer import SVI, Trace_ELBO
 
 from pyro_gradroute.infer import TraceAdaptiveSTL_ELBO, TraceSTL_ELBO
+from pyro_gradroute.infer.schedule import Gate
 
 #: the estimators whose trajectory the moments can be read along (``--along``)
 ALONG = {"trace": Trace_ELBO, "stl": TraceSTL_ELBO, "adaptive": TraceAdaptiveSTL_ELBO}
@@ -192,22 +194,21 @@ def run_endpoints(model: str, steps: int, seed: int, trace_on: list[str]) -> dic
 
 
 def run_trend(model: str, seed: int, decay: float = 0.99) -> dict:
-    """``Trace_ELBO`` at the model's budget; per tenth: slope / sd, its z, and ``B``."""
+    """Pyro's estimator at the model's budget (the benchmark's: ``TraceEnum_ELBO`` for an
+    enumerated model); per tenth: slope / sd, its z, and the gate's bound ``B`` over the tenth."""
     pyro.clear_param_store()
     pyro.set_rng_seed(seed)
     p = MODELS[model](seed)
-    elbo = Trace_ELBO(max_plate_nesting=p.max_plate_nesting)
+    elbo, guide = _trace(p)
     optim = pyro.optim.Adam({"lr": p.lr})
+    gate = Gate(1.0, min_samples=1.0)  # plain sums over the tenth
     s = [0.0] * 7  # weights' sums of 1, age, age^2, loss, age * loss, loss^2, weight^2
-    prev, sq, cross, rows = None, 0.0, 0.0, []
+    rows = []
     for t in range(1, p.steps + 1):
         with poutine.trace(param_only=True) as tr:
-            loss = elbo.loss_and_grads(p.model, p.guide, *p.args)
+            loss = elbo.loss_and_grads(p.model, guide, *p.args)
         leaves = [site["value"].unconstrained() for site in tr.trace.nodes.values()]
-        g = torch.cat([v.grad.reshape(-1) for v in leaves if v.grad is not None])
-        if prev is not None and prev.shape == g.shape:
-            sq, cross = sq + float(g @ g), cross + float(g @ prev)
-        prev = g
+        gate.update(torch.cat([v.grad.reshape(-1) for v in leaves if v.grad is not None]))
         optim(leaves)
         pyro.infer.util.zero_grads(leaves)
         w, a, aa, y, ay, yy, w2 = s  # every earlier loss one step older, then this one
@@ -219,11 +220,9 @@ def run_trend(model: str, seed: int, decay: float = 0.99) -> dict:
             va, cov, vy = aa / w - (a / w) ** 2, ay / w - a * y / w**2, yy / w - (y / w) ** 2
             slope = cov / va  # loss per step of age: its fall per step
             sd = max(vy - slope * cov, 1e-300) ** 0.5
-            n = w * w / w2
-            z = slope / (sd / (n * va) ** 0.5)
-            rows.append({"step": t, "slope_sd": slope / sd, "z": z,
-                         "B": sq / cross if cross > 0 else float("inf")})  # fmt: skip
-            sq, cross = 0.0, 0.0
+            z = slope / (sd / (w * w / w2 * va) ** 0.5)
+            rows.append({"step": t, "slope_sd": slope / sd, "z": z, "B": gate.bound()})
+            gate.reset(1.0)
     line = " ".join(f"{r['slope_sd']:7.4f} {r['z']:5.1f} {r['B']:6.2f} |" for r in rows)
     print(f"{model:>22} {line}", flush=True)
     return {"model": model, "seed": seed, "rows": rows}
